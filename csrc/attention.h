@@ -1,0 +1,66 @@
+// The C++ API of the attention core: argument validation (the single boundary check that turns
+// caller tensors into a trusted AttentionParams), the reference implementation, and threads.
+// No Python here: the pybind11 binding (bindings.cpp) converts Python objects to TensorView.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention_params.h"
+
+namespace npu_attn {
+
+enum class DType { kFloat32, kFloat64, kFloat16, kBFloat16, kBool, kUInt8, kOther };
+const char* dtype_name(DType dtype);
+
+// A non-owning view of a caller's tensor: strides in elements, may be negative or zero.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kOther;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  bool on_cpu = true;
+  std::string device = "cpu";  // for error messages
+};
+
+// Bad arguments. `kind` tells the binding which Python exception to raise.
+class ArgumentError : public std::invalid_argument {
+ public:
+  enum class Kind { kType, kValue };
+  ArgumentError(Kind kind, const std::string& message)
+      : std::invalid_argument(message), kind_(kind) {}
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
+struct SdpaArguments {
+  TensorView query;   // (B, Hq, Lq, D)
+  TensorView key;     // (B, Hkv, Lk, D)
+  TensorView value;   // (B, Hkv, Lk, Dv)
+  std::optional<TensorView> attn_mask;  // bool or float32, broadcastable to (B, Hq, Lq, Lk)
+  TensorView out;     // (B, Hq, Lq, Dv) float32, written
+  std::optional<TensorView> lse;        // (B, Hq, Lq) float32, written
+  std::optional<double> scale;          // default 1/sqrt(D)
+  bool is_causal = false;
+  bool enable_gqa = false;
+  int num_threads = 1;
+};
+
+// Checks every argument and builds the kernel parameters. Throws ArgumentError naming the
+// argument and what was expected.
+AttentionParams make_attention_params(const SdpaArguments& args);
+
+// Straightforward attention that materialises the (Lq x Lk) scores of one head at a time and
+// accumulates in double. Same semantics as the kernels; for tests only.
+void attention_reference(const AttentionParams& params);
+
+// Threads used by the kernels (defaults to omp_get_max_threads() at first use).
+int get_num_threads();
+void set_num_threads(int threads);  // throws ArgumentError if threads < 1
+
+}  // namespace npu_attn

@@ -1,0 +1,49 @@
+// The plain parameter struct every attention kernel sees.
+//
+// It is deliberately a POD with no member functions: it is included by the per-ISA translation
+// units, and any inline function here would become a weak symbol that the linker may merge
+// across ISA flags (see csrc/kernels/README.md). Validation happens once, in
+// make_attention_params() (attention.h); kernels trust what they get.
+#pragma once
+
+#include <cstdint>
+
+namespace npu_attn {
+
+enum class MaskKind : int32_t {
+  kNone = 0,
+  kBool = 1,      // uint8/bool, nonzero = attend (torch convention)
+  kAdditive = 2,  // float32, added to the scaled scores
+};
+
+// Element strides are signed: NumPy views may have negative strides, broadcast dims have 0.
+struct AttentionParams {
+  const float* q = nullptr;  // (batch, heads_q, len_q, head_dim)
+  const float* k = nullptr;  // (batch, heads_kv, len_k, head_dim)
+  const float* v = nullptr;  // (batch, heads_kv, len_k, head_dim_v)
+  float* out = nullptr;      // (batch, heads_q, len_q, head_dim_v)
+  float* lse = nullptr;      // optional (batch, heads_q, len_q): log-sum-exp of scaled scores
+  const void* mask = nullptr;
+  MaskKind mask_kind = MaskKind::kNone;
+
+  int64_t batch = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;  // heads_q % heads_kv == 0 (grouped-query attention)
+  int64_t len_q = 0;
+  int64_t len_k = 0;
+  int64_t head_dim = 0;
+  int64_t head_dim_v = 0;
+
+  int64_t q_stride[4] = {0, 0, 0, 0};
+  int64_t k_stride[4] = {0, 0, 0, 0};
+  int64_t v_stride[4] = {0, 0, 0, 0};
+  int64_t out_stride[4] = {0, 0, 0, 0};
+  int64_t mask_stride[4] = {0, 0, 0, 0};  // broadcast dims have stride 0
+  int64_t lse_stride[3] = {0, 0, 0};
+
+  float scale = 1.0f;
+  bool is_causal = false;  // top-left aligned: query i attends keys j <= i
+  int num_threads = 1;
+};
+
+}  // namespace npu_attn

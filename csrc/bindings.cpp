@@ -1,0 +1,219 @@
+// Thin pybind11 binding: turns Python tensors into TensorViews, lets make_attention_params()
+// validate them (the one boundary check), releases the GIL and runs the kernel.
+//
+// Tensors arrive either as DLPack capsules (torch, zero-copy; the capsule is borrowed, not
+// consumed, so its producer still owns and frees it) or as objects with the buffer protocol
+// (NumPy, zero-copy, read-only arrays allowed for inputs).
+#include <dlpack/dlpack.h>
+#include <omp.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <Eigen/Core>
+#include <optional>
+#include <string>
+
+#include "attention.h"
+#include "dispatch.h"
+#include "workspace.h"
+
+namespace py = pybind11;
+using npu_attn::DType;
+using npu_attn::TensorView;
+
+namespace {
+
+// kDLBool was added in DLPack 0.8; Debian's header (0.6) predates it, torch emits it.
+constexpr uint8_t kDLBoolCode = 6;
+
+DType dtype_from_dlpack(DLDataType t) {
+  if (t.lanes != 1) return DType::kOther;
+  if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
+  if (t.code == kDLFloat && t.bits == 64) return DType::kFloat64;
+  if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
+  if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
+  if (t.code == kDLBoolCode && t.bits == 8) return DType::kBool;
+  if (t.code == kDLUInt && t.bits == 8) return DType::kUInt8;
+  return DType::kOther;
+}
+
+std::string device_name(DLDevice d) {
+  switch (d.device_type) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
+    default: return "dlpack-device-" + std::to_string(d.device_type);
+  }
+}
+
+TensorView view_from_capsule(py::capsule capsule, const char* name) {
+  if (std::string(capsule.name() ? capsule.name() : "") != "dltensor") {
+    throw npu_attn::ArgumentError(npu_attn::ArgumentError::Kind::kType,
+                                  std::string(name) + ": DLPack capsule was already consumed");
+  }
+  const auto* managed = capsule.get_pointer<DLManagedTensor>();
+  const DLTensor& t = managed->dl_tensor;
+  TensorView view;
+  view.data = static_cast<char*>(t.data) + t.byte_offset;
+  view.dtype = dtype_from_dlpack(t.dtype);
+  view.on_cpu = t.device.device_type == kDLCPU;
+  view.device = device_name(t.device);
+  view.shape.assign(t.shape, t.shape + t.ndim);
+  view.strides.resize(t.ndim);
+  int64_t compact = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    view.strides[i] = t.strides ? t.strides[i] : compact;
+    compact *= t.shape[i];
+  }
+  return view;
+}
+
+DType dtype_from_buffer(const py::buffer_info& info) {
+  const std::string& f = info.format;
+  const char code = f.empty() ? '\0' : f.back();  // skip byte-order prefixes like '<' or '='
+  if (code == 'f' && info.itemsize == 4) return DType::kFloat32;
+  if (code == 'd' && info.itemsize == 8) return DType::kFloat64;
+  if (code == 'e' && info.itemsize == 2) return DType::kFloat16;
+  if (code == '?' && info.itemsize == 1) return DType::kBool;
+  if (code == 'B' && info.itemsize == 1) return DType::kUInt8;
+  return DType::kOther;
+}
+
+TensorView view_from_buffer(py::buffer buffer, bool writable, const char* name) {
+  py::buffer_info info;
+  try {
+    info = buffer.request(writable);
+  } catch (py::error_already_set& e) {
+    throw npu_attn::ArgumentError(
+        npu_attn::ArgumentError::Kind::kValue,
+        std::string(name) + (writable ? " must be a writable buffer: " : ": ") + e.what());
+  }
+  TensorView view;
+  view.data = info.ptr;
+  view.dtype = dtype_from_buffer(info);
+  view.shape.assign(info.shape.begin(), info.shape.end());
+  for (size_t i = 0; i < info.strides.size(); ++i) {
+    if (info.strides[i] % info.itemsize != 0) {
+      throw npu_attn::ArgumentError(npu_attn::ArgumentError::Kind::kValue,
+                                    std::string(name) + " has a stride that is not a multiple of "
+                                                        "its element size");
+    }
+    view.strides.push_back(info.strides[i] / info.itemsize);
+  }
+  return view;
+}
+
+TensorView to_view(py::handle obj, bool writable, const char* name) {
+  if (py::isinstance<py::capsule>(obj)) return view_from_capsule(py::reinterpret_borrow<py::capsule>(obj), name);
+  if (PyObject_CheckBuffer(obj.ptr())) return view_from_buffer(py::reinterpret_borrow<py::buffer>(obj), writable, name);
+  throw npu_attn::ArgumentError(npu_attn::ArgumentError::Kind::kType,
+                                std::string(name) + " must be a torch.Tensor or numpy.ndarray, got " +
+                                    std::string(py::str(py::type::of(obj).attr("__name__"))));
+}
+
+std::optional<TensorView> to_optional_view(py::object obj, bool writable, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return to_view(obj, writable, name);
+}
+
+npu_attn::SdpaArguments collect_arguments(py::handle query, py::handle key, py::handle value,
+                                          py::handle out, py::object attn_mask, py::object lse,
+                                          std::optional<double> scale, bool is_causal,
+                                          bool enable_gqa) {
+  npu_attn::SdpaArguments args;
+  args.query = to_view(query, false, "query");
+  args.key = to_view(key, false, "key");
+  args.value = to_view(value, false, "value");
+  args.out = to_view(out, true, "out");
+  args.attn_mask = to_optional_view(attn_mask, false, "attn_mask");
+  args.lse = to_optional_view(lse, true, "lse");
+  args.scale = scale;
+  args.is_causal = is_causal;
+  args.enable_gqa = enable_gqa;
+  args.num_threads = npu_attn::get_num_threads();
+  return args;
+}
+
+npu_attn::Isa isa_from_name(const std::string& name) {
+  const auto isa = npu_attn::parse_isa(name);
+  if (!isa) throw py::value_error("unknown kernel variant '" + name + "'; expected scalar, avx2 or avx512");
+  return *isa;
+}
+
+std::vector<std::string> isa_names(const std::vector<npu_attn::Isa>& isas) {
+  std::vector<std::string> names;
+  for (auto isa : isas) names.emplace_back(npu_attn::isa_name(isa));
+  return names;
+}
+
+void forward(py::handle query, py::handle key, py::handle value, py::handle out,
+             py::object attn_mask, py::object lse, std::optional<double> scale, bool is_causal,
+             bool enable_gqa, std::optional<std::string> isa, bool reference) {
+  const auto args =
+      collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal, enable_gqa);
+  const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
+  const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+  py::gil_scoped_release no_gil;
+  if (reference) {
+    npu_attn::attention_reference(params);
+  } else {
+    npu_attn::run_attention_forward(params, variant);
+  }
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["compiler"] = std::string(__VERSION__);
+  info["openmp"] = _OPENMP;
+  info["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) +
+                  "." + std::to_string(EIGEN_MINOR_VERSION);
+  info["dlpack"] = DLPACK_VERSION;
+  info["compiled_isas"] = isa_names(npu_attn::compiled_isas());
+#ifdef NPU_ATTN_BUILD_TYPE
+  info["build_type"] = NPU_ATTN_BUILD_TYPE;
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "npu_attn C++ core (private; use the npu_attn package)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const npu_attn::ArgumentError& e) {
+      PyErr_SetString(e.kind() == npu_attn::ArgumentError::Kind::kType ? PyExc_TypeError
+                                                                        : PyExc_ValueError,
+                      e.what());
+    }
+  });
+
+  m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
+        py::arg("attn_mask") = py::none(), py::arg("lse") = py::none(),
+        py::arg("scale") = py::none(), py::arg("is_causal") = false,
+        py::arg("enable_gqa") = false, py::arg("isa") = py::none(), py::arg("reference") = false,
+        "Attention forward into `out` (and `lse`). Inputs: DLPack capsules or buffers.");
+
+  m.def("get_num_threads", &npu_attn::get_num_threads);
+  m.def("set_num_threads", &npu_attn::set_num_threads, py::arg("threads"));
+  m.def("active_isa", [] { return std::string(npu_attn::isa_name(npu_attn::active_isa())); });
+  m.def("set_isa", [](const std::string& name) { npu_attn::set_active_isa(isa_from_name(name)); },
+        py::arg("name"));
+  m.def("best_isa", [] { return std::string(npu_attn::isa_name(npu_attn::best_isa())); });
+  m.def("compiled_isas", [] { return isa_names(npu_attn::compiled_isas()); });
+  m.def("runnable_isas", [] { return isa_names(npu_attn::runnable_isas()); });
+  m.def("workspace_stats", [] {
+    const auto s = npu_attn::workspace_stats();
+    py::dict d;
+    d["current_bytes"] = s.current_bytes;
+    d["peak_bytes"] = s.peak_bytes;
+    d["allocations"] = s.total_allocations;
+    return d;
+  });
+  m.def("reset_workspace_peak", &npu_attn::workspace_reset_peak);
+  m.def("build_info", &build_info);
+
+  // Choose the kernel variant now so a bad NPU_ATTN_ISA fails at import with a clear message.
+  npu_attn::active_isa();
+}

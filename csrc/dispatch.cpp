@@ -1,0 +1,146 @@
+#include "dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "kernels/kernels.h"
+
+namespace npu_attn {
+namespace {
+
+std::atomic<int> g_active{-1};  // -1: not chosen yet
+
+#if defined(__x86_64__) || defined(__i386__)
+// __builtin_cpu_supports also checks that the OS saves the wider registers (XGETBV).
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         cpu_has_avx2();
+}
+#else
+bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+#endif
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+std::optional<Isa> parse_isa(const std::string& name) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+    if (name == isa_name(isa)) return isa;
+  return std::nullopt;
+}
+
+bool isa_compiled(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return true;
+#if defined(NPU_ATTN_HAVE_AVX2)
+    case Isa::kAvx2: return true;
+#endif
+#if defined(NPU_ATTN_HAVE_AVX512)
+    case Isa::kAvx512: return true;
+#endif
+    default: return false;
+  }
+}
+
+bool isa_supported_by_cpu(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return true;
+    case Isa::kAvx2: return cpu_has_avx2();
+    case Isa::kAvx512: return cpu_has_avx512();
+  }
+  return false;
+}
+
+std::vector<Isa> compiled_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+    if (isa_compiled(isa)) out.push_back(isa);
+  return out;
+}
+
+std::vector<Isa> runnable_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : compiled_isas())
+    if (isa_supported_by_cpu(isa)) out.push_back(isa);
+  return out;
+}
+
+Isa best_isa() { return runnable_isas().back(); }
+
+Isa select_isa_from_environment() {
+  const char* requested = std::getenv("NPU_ATTN_ISA");
+  if (requested == nullptr || *requested == '\0') return best_isa();
+  const std::optional<Isa> isa = parse_isa(requested);
+  if (!isa) {
+    throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
+                             "' is not a kernel variant; expected one of scalar, avx2, avx512");
+  }
+  if (!isa_compiled(*isa)) {
+    throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
+                             "': this build of npu_attn does not contain that variant");
+  }
+  if (!isa_supported_by_cpu(*isa)) {
+    throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
+                             "': this CPU cannot run it (best available: " +
+                             isa_name(best_isa()) + ")");
+  }
+  return *isa;
+}
+
+Isa active_isa() {
+  int current = g_active.load();
+  if (current < 0) {
+    int chosen = static_cast<int>(select_isa_from_environment());
+    g_active.compare_exchange_strong(current, chosen);
+    current = g_active.load();
+  }
+  return static_cast<Isa>(current);
+}
+
+void set_active_isa(Isa isa) {
+  if (!isa_compiled(isa) || !isa_supported_by_cpu(isa)) {
+    throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) +
+                             "' cannot run here (compiled: " + (isa_compiled(isa) ? "yes" : "no") +
+                             ", CPU support: " + (isa_supported_by_cpu(isa) ? "yes" : "no") + ")");
+  }
+  g_active.store(static_cast<int>(isa));
+}
+
+void run_attention_forward(const AttentionParams& params) {
+  run_attention_forward(params, active_isa());
+}
+
+void run_attention_forward(const AttentionParams& params, Isa isa) {
+  if (!isa_supported_by_cpu(isa)) {
+    throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) +
+                             "' cannot run on this CPU");
+  }
+  switch (isa) {
+#if defined(NPU_ATTN_HAVE_AVX512)
+    case Isa::kAvx512: kernels::attention_forward_avx512(params); return;
+#endif
+#if defined(NPU_ATTN_HAVE_AVX2)
+    case Isa::kAvx2: kernels::attention_forward_avx2(params); return;
+#endif
+    case Isa::kScalar: kernels::attention_forward_scalar(params); return;
+    default: break;
+  }
+  throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' is not compiled");
+}
+
+}  // namespace npu_attn

@@ -1,0 +1,36 @@
+// Runtime ISA dispatch: which kernel variants were compiled, which the CPU can run, and which
+// one is active. The active variant is chosen once (best supported, or NPU_ATTN_ISA) and can be
+// changed explicitly, e.g. by tests that run every variant.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention_params.h"
+
+namespace npu_attn {
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* isa_name(Isa isa);
+std::optional<Isa> parse_isa(const std::string& name);  // "scalar" | "avx2" | "avx512"
+
+bool isa_compiled(Isa isa);
+bool isa_supported_by_cpu(Isa isa);
+std::vector<Isa> compiled_isas();
+std::vector<Isa> runnable_isas();  // compiled and supported by this CPU, ascending
+Isa best_isa();
+
+// Selects the variant from NPU_ATTN_ISA if set, else the best one. Throws std::runtime_error
+// naming the variable if it names an unknown variant or one this machine cannot run.
+Isa select_isa_from_environment();
+
+Isa active_isa();
+void set_active_isa(Isa isa);  // throws std::runtime_error if not runnable here
+
+// Runs the forward kernel of `isa` (default: the active one). Params must be validated.
+void run_attention_forward(const AttentionParams& params);
+void run_attention_forward(const AttentionParams& params, Isa isa);
+
+}  // namespace npu_attn

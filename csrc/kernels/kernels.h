@@ -1,0 +1,18 @@
+// Entry points of the per-ISA kernel variants. Each is defined in its own translation unit,
+// compiled with that ISA's flags (see CMakeLists.txt). Call them only through dispatch.h, which
+// checks that the CPU can run the variant.
+#pragma once
+
+#include "../attention_params.h"
+
+namespace npu_attn::kernels {
+
+void attention_forward_scalar(const AttentionParams& params);
+#if defined(NPU_ATTN_HAVE_AVX2)
+void attention_forward_avx2(const AttentionParams& params);
+#endif
+#if defined(NPU_ATTN_HAVE_AVX512)
+void attention_forward_avx512(const AttentionParams& params);
+#endif
+
+}  // namespace npu_attn::kernels

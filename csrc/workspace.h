@@ -1,0 +1,26 @@
+// A small tracked allocator for kernel workspaces.
+//
+// Kernels get their scratch memory here so that the DeviceManager can report how many bytes
+// attention holds right now and at peak. Functions are defined out of line in workspace.cpp
+// (compiled without ISA flags) so the per-ISA kernels can call them safely.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace npu_attn {
+
+struct WorkspaceStats {
+  int64_t current_bytes;
+  int64_t peak_bytes;
+  int64_t total_allocations;
+};
+
+// 64-byte aligned; returns nullptr only for size 0. Throws std::bad_alloc on failure.
+float* workspace_alloc_floats(int64_t count);
+void workspace_free_floats(float* ptr, int64_t count);
+
+WorkspaceStats workspace_stats();
+void workspace_reset_peak();
+
+}  // namespace npu_attn

@@ -1,0 +1,33 @@
+# Checks the per-ISA kernel objects (run by ctest as isa_objects_are_self_contained).
+#  1. No weak or unique global symbols are *defined*: such symbols (inline functions, template
+#     instantiations) are merged by the linker across translation units, so an AVX-512 copy
+#     could end up being called from the scalar variant on a machine without AVX-512.
+#  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers.
+# OBJECTS is a list of "isa=path/to/object.o" entries.
+foreach(entry ${OBJECTS})
+  string(REGEX MATCH "^([a-z0-9]+)=(.*)$" _ "${entry}")
+  set(isa "${CMAKE_MATCH_1}")
+  set(object "${CMAKE_MATCH_2}")
+  execute_process(COMMAND ${NM} --defined-only ${object} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "nm failed on ${object}")
+  endif()
+  string(REGEX MATCHALL "[^\n]* [WVu] [^\n]*" weak "${symbols}")
+  # The exception-personality data word is not code; it is the same in every object.
+  list(FILTER weak EXCLUDE REGEX "DW\\.ref\\.__gxx_personality_v0")
+  if(weak)
+    message(FATAL_ERROR "${isa}: object defines weak/unique symbols that the linker may merge "
+                        "across ISA variants:\n${weak}")
+  endif()
+  execute_process(COMMAND ${OBJDUMP} -d --no-show-raw-insn ${object} OUTPUT_VARIABLE asm)
+  if(isa STREQUAL "scalar" AND asm MATCHES "%[yz]mm")
+    message(FATAL_ERROR "scalar: object contains AVX (ymm/zmm) instructions")
+  endif()
+  if(isa STREQUAL "avx2" AND asm MATCHES "%zmm")
+    message(FATAL_ERROR "avx2: object contains AVX-512 (zmm) instructions")
+  endif()
+  if(isa STREQUAL "avx512" AND NOT asm MATCHES "%zmm")
+    message(FATAL_ERROR "avx512: object contains no zmm instructions; were the flags applied?")
+  endif()
+  message(STATUS "${isa}: ok (${object})")
+endforeach()

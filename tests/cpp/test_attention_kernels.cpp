@@ -1,0 +1,304 @@
+// Tiled kernels vs the reference implementation, for every ISA variant this CPU can run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "attention.h"
+#include "dispatch.h"
+#include "test_support.h"
+#include "workspace.h"
+
+namespace npu_attn::testing {
+namespace {
+
+enum class Layout { kBHSD, kBSHD };
+enum class MaskCase { kNone, kBoolFull, kBool2D, kBoolKeyPadding, kAdditiveFull, kAdditiveHeads };
+
+struct Case {
+  int64_t batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v;
+  Layout layout = Layout::kBHSD;
+  MaskCase mask = MaskCase::kNone;
+  bool causal = false;
+  float input_scale = 1.0f;  // multiplies q to produce large logits
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "B" << batch << " Hq" << heads_q << " Hkv" << heads_kv << " Lq" << len_q << " Lk"
+       << len_k << " D" << head_dim << " Dv" << head_dim_v
+       << (layout == Layout::kBSHD ? " BSHD" : " BHSD") << " mask" << static_cast<int>(mask)
+       << (causal ? " causal" : "") << " qscale" << input_scale;
+    return os.str();
+  }
+};
+
+std::vector<int> order_for(Layout layout) {
+  return layout == Layout::kBSHD ? std::vector<int>{0, 2, 1, 3} : std::vector<int>{0, 1, 2, 3};
+}
+
+struct Problem {
+  FloatTensor q, k, v, out, lse, ref_out, ref_lse;
+  FloatTensor additive;
+  BoolTensor boolean;
+  SdpaArguments args;
+};
+
+void build_mask(const Case& c, Problem& pr, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::bernoulli_distribution keep(0.7);
+  auto fill_bool = [&](std::vector<int64_t> shape) {
+    pr.boolean = BoolTensor(shape);
+    for (auto& x : pr.boolean.storage) x = keep(rng);
+    pr.args.attn_mask = pr.boolean.view(DType::kBool);
+  };
+  auto fill_additive = [&](std::vector<int64_t> shape) {
+    pr.additive = FloatTensor(shape);
+    fill_normal(pr.additive, seed + 7);
+    // Some -inf entries, like a padding mask expressed additively.
+    for (size_t i = 0; i < pr.additive.storage.size(); i += 5) pr.additive.storage[i] = -INFINITY;
+    pr.args.attn_mask = pr.additive.view(DType::kFloat32);
+  };
+  switch (c.mask) {
+    case MaskCase::kNone: break;
+    case MaskCase::kBoolFull: fill_bool({c.batch, c.heads_q, c.len_q, c.len_k}); break;
+    case MaskCase::kBool2D: fill_bool({c.len_q, c.len_k}); break;
+    case MaskCase::kBoolKeyPadding: {
+      fill_bool({c.batch, 1, 1, c.len_k});
+      // Pad the tail of each sequence (all queries then see a prefix).
+      for (int64_t b = 0; b < c.batch; ++b)
+        for (int64_t j = 0; j < c.len_k; ++j) pr.boolean.at({b, 0, 0, j}) = j < c.len_k - b;
+      break;
+    }
+    case MaskCase::kAdditiveFull: fill_additive({c.batch, c.heads_q, c.len_q, c.len_k}); break;
+    case MaskCase::kAdditiveHeads: fill_additive({c.batch, 1, c.len_q, c.len_k}); break;
+  }
+}
+
+void build(const Case& c, Problem& pr, uint32_t seed) {
+  const auto order = order_for(c.layout);
+  pr.q = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim}, order);
+  pr.k = FloatTensor({c.batch, c.heads_kv, c.len_k, c.head_dim}, order);
+  pr.v = FloatTensor({c.batch, c.heads_kv, c.len_k, c.head_dim_v}, order);
+  pr.out = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order);
+  pr.ref_out = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim_v});
+  pr.lse = FloatTensor({c.batch, c.heads_q, c.len_q});
+  pr.ref_lse = FloatTensor({c.batch, c.heads_q, c.len_q});
+  fill_normal(pr.q, seed, c.input_scale);
+  fill_normal(pr.k, seed + 1);
+  fill_normal(pr.v, seed + 2);
+  std::fill(pr.out.storage.begin(), pr.out.storage.end(), NAN);  // every element must be written
+  pr.args.query = pr.q.view(DType::kFloat32);
+  pr.args.key = pr.k.view(DType::kFloat32);
+  pr.args.value = pr.v.view(DType::kFloat32);
+  pr.args.out = pr.out.view(DType::kFloat32);
+  pr.args.lse = pr.lse.view(DType::kFloat32);
+  pr.args.is_causal = c.causal;
+  pr.args.enable_gqa = c.heads_q != c.heads_kv;
+  pr.args.num_threads = 2;
+  build_mask(c, pr, seed + 3);
+}
+
+// Runs `isa` and the reference on the same problem and returns max |tiled - ref| over output.
+void expect_matches_reference(const Case& c, Isa isa, uint32_t seed = 1, double rel_tol = 1e-5) {
+  SCOPED_TRACE(c.describe() + " isa=" + isa_name(isa));
+  Problem pr;
+  build(c, pr, seed);
+  AttentionParams params = make_attention_params(pr.args);
+  run_attention_forward(params, isa);
+
+  SdpaArguments ref_args = pr.args;
+  ref_args.out = pr.ref_out.view(DType::kFloat32);
+  ref_args.lse = pr.ref_lse.view(DType::kFloat32);
+  attention_reference(make_attention_params(ref_args));
+
+  // fp32 accumulation vs double reference: relative 1e-5 of the output's magnitude.
+  const double tol = rel_tol * std::max(1.0, max_abs(pr.ref_out));
+  EXPECT_LE(max_abs_diff(pr.out, pr.ref_out), tol);
+  double lse_err = 0;
+  for (size_t i = 0; i < pr.lse.storage.size(); ++i) {
+    const float a = pr.lse.storage[i], b = pr.ref_lse.storage[i];
+    if (std::isinf(b)) {
+      EXPECT_EQ(a, b) << "lse at " << i;
+    } else {
+      lse_err = std::max(lse_err, std::fabs(double(a) - b) / std::max(1.0, std::fabs(double(b))));
+    }
+  }
+  EXPECT_LE(lse_err, 1e-5);
+}
+
+class EveryIsa : public ::testing::TestWithParam<Isa> {};
+
+std::vector<Case> shape_grid() {
+  std::vector<Case> cases;
+  // Odd and common head dims on self- and cross-attention shapes.
+  for (int64_t d : {1, 8, 40, 59, 64, 72, 80, 96, 128, 160, 256, 512}) {
+    cases.push_back({1, 2, 2, 67, 67, d, d});
+    cases.push_back({2, 1, 1, 130, 77, d, d});  // cross-attention to 77 text tokens
+  }
+  cases.push_back({1, 1, 1, 1, 1, 64, 64});     // length 1
+  cases.push_back({1, 3, 3, 1, 300, 40, 40});   // one query, many keys
+  cases.push_back({1, 2, 2, 300, 1, 40, 40});   // many queries, one key
+  cases.push_back({2, 4, 4, 1030, 600, 64, 64});  // several tiles both ways
+  cases.push_back({1, 2, 2, 100, 100, 64, 40});   // Dv != D
+  cases.push_back({1, 2, 2, 100, 100, 40, 130});
+  cases.push_back({1, 8, 2, 90, 120, 64, 64});    // GQA 4:1
+  cases.push_back({2, 6, 3, 50, 50, 72, 72});     // GQA 2:1
+  cases.push_back({3, 5, 1, 33, 47, 24, 24});     // MQA
+  return cases;
+}
+
+TEST_P(EveryIsa, MatchesReferenceOnShapeGrid) {
+  for (Case c : shape_grid()) {
+    for (Layout layout : {Layout::kBHSD, Layout::kBSHD}) {
+      c.layout = layout;
+      expect_matches_reference(c, GetParam());
+    }
+  }
+}
+
+TEST_P(EveryIsa, MatchesReferenceWithMasksAndCausal) {
+  const std::vector<Case> bases = {
+      {2, 4, 4, 97, 97, 64, 64}, {1, 2, 2, 130, 77, 40, 40}, {2, 4, 2, 70, 300, 80, 80},
+      {1, 1, 1, 300, 90, 59, 59},  // Lq > Lk with causal: top-left alignment
+      {1, 2, 2, 5, 700, 32, 32},   // Lq < Lk
+  };
+  for (Case c : bases) {
+    for (MaskCase m : {MaskCase::kNone, MaskCase::kBoolFull, MaskCase::kBool2D,
+                       MaskCase::kBoolKeyPadding, MaskCase::kAdditiveFull,
+                       MaskCase::kAdditiveHeads}) {
+      for (bool causal : {false, true}) {
+        c.mask = m;
+        c.causal = causal;
+        c.layout = causal ? Layout::kBSHD : Layout::kBHSD;
+        expect_matches_reference(c, GetParam());
+      }
+    }
+  }
+}
+
+TEST_P(EveryIsa, LargeLogitsDoNotOverflow) {
+  // Scores around 1e4: a naive exp would overflow to inf. The problem itself is ill-conditioned
+  // in fp32: each score carries a rounding error of ~1e4 * 2^-24 ~ 6e-4, which moves the softmax
+  // weights by that relative amount; so the bound is 1e-3 (a result of inf/NaN fails it).
+  Case c{1, 2, 2, 65, 130, 64, 64};
+  c.input_scale = 1000.0f;
+  expect_matches_reference(c, GetParam(), 1, 1e-3);
+  c.mask = MaskCase::kAdditiveFull;
+  expect_matches_reference(c, GetParam(), 1, 1e-3);
+}
+
+TEST_P(EveryIsa, FullyMaskedRowsGiveZeroAndMinusInfLse) {
+  Case c{1, 2, 2, 40, 70, 32, 32};
+  Problem pr;
+  build(c, pr, 5);
+  pr.boolean = BoolTensor({c.len_q, c.len_k});
+  for (int64_t i = 0; i < c.len_q; ++i)
+    for (int64_t j = 0; j < c.len_k; ++j) pr.boolean.at({i, j}) = (i % 3 != 0);  // rows 0,3,..
+  pr.args.attn_mask = pr.boolean.view(DType::kBool);
+  run_attention_forward(make_attention_params(pr.args), GetParam());
+  for (int64_t h = 0; h < c.heads_q; ++h) {
+    for (int64_t i = 0; i < c.len_q; ++i) {
+      const float lse = pr.lse.at({0, h, i});
+      if (i % 3 == 0) {
+        EXPECT_EQ(lse, -INFINITY);
+        for (int64_t d = 0; d < c.head_dim_v; ++d) EXPECT_EQ(pr.out.at({0, h, i, d}), 0.0f);
+      } else {
+        EXPECT_TRUE(std::isfinite(lse));
+      }
+    }
+  }
+}
+
+TEST_P(EveryIsa, EmptyKeysGiveZeros) {
+  Case c{1, 2, 2, 10, 0, 16, 16};
+  Problem pr;
+  build(c, pr, 9);
+  run_attention_forward(make_attention_params(pr.args), GetParam());
+  for (float x : pr.out.storage) EXPECT_EQ(x, 0.0f);
+  for (float x : pr.lse.storage) EXPECT_EQ(x, -INFINITY);
+}
+
+TEST_P(EveryIsa, NanAndInfPropagateLikeTheReference) {
+  Case c{1, 1, 1, 20, 50, 16, 16};
+  for (int variant = 0; variant < 3; ++variant) {
+    Problem pr;
+    build(c, pr, 11);
+    if (variant == 0) pr.k.at({0, 0, 7, 3}) = NAN;       // one key NaN: every row NaN
+    if (variant == 1) pr.q.at({0, 0, 4, 0}) = NAN;       // one query NaN: that row NaN
+    if (variant == 2) pr.v.at({0, 0, 9, 2}) = INFINITY;  // inf value: that column inf
+    run_attention_forward(make_attention_params(pr.args), GetParam());
+    SdpaArguments ref_args = pr.args;
+    ref_args.out = pr.ref_out.view(DType::kFloat32);
+    ref_args.lse = pr.ref_lse.view(DType::kFloat32);
+    attention_reference(make_attention_params(ref_args));
+    SCOPED_TRACE(variant);
+    EXPECT_LE(max_abs_diff(pr.out, pr.ref_out), 1e-5);  // NaN/inf positions must agree exactly
+    if (variant == 0) {
+      EXPECT_TRUE(std::isnan(pr.out.at({0, 0, 0, 0})));
+    }
+    if (variant == 1) {
+      EXPECT_TRUE(std::isnan(pr.out.at({0, 0, 4, 0})));
+      EXPECT_FALSE(std::isnan(pr.out.at({0, 0, 5, 0})));
+    }
+    if (variant == 2) {
+      EXPECT_EQ(pr.out.at({0, 0, 0, 2}), INFINITY);
+    }
+  }
+}
+
+TEST_P(EveryIsa, ResultsAreIdenticalForOneAndTwoThreads) {
+  Case c{1, 2, 2, 333, 257, 72, 72};
+  c.mask = MaskCase::kAdditiveHeads;
+  Problem one, two;
+  build(c, one, 3);
+  build(c, two, 3);
+  one.args.num_threads = 1;
+  two.args.num_threads = 2;
+  run_attention_forward(make_attention_params(one.args), GetParam());
+  run_attention_forward(make_attention_params(two.args), GetParam());
+  EXPECT_EQ(one.out.storage, two.out.storage);
+  EXPECT_EQ(one.lse.storage, two.lse.storage);
+}
+
+TEST_P(EveryIsa, WorkspaceIsReleasedAndLinearInSequenceLength) {
+  // Peak workspace must not grow like Lq*Lk: 4x the length may cost at most ~4x the bytes.
+  auto peak_for = [&](int64_t len) {
+    Case c{1, 2, 2, len, len, 64, 64};
+    Problem pr;
+    build(c, pr, 2);
+    workspace_reset_peak();
+    const int64_t before = workspace_stats().current_bytes;
+    run_attention_forward(make_attention_params(pr.args), GetParam());
+    EXPECT_EQ(workspace_stats().current_bytes, before);
+    return workspace_stats().peak_bytes - before;
+  };
+  const int64_t small = peak_for(1024), large = peak_for(4096);
+  EXPECT_GT(small, 0);
+  EXPECT_LE(large, 4 * small + (1 << 20));
+  EXPECT_LT(large, 4096LL * 4096 * 4 / 8);  // far below one head's score matrix
+}
+
+std::vector<Isa> runnable() { return runnable_isas(); }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, EveryIsa, ::testing::ValuesIn(runnable()),
+                         [](const ::testing::TestParamInfo<Isa>& info) {
+                           return std::string(isa_name(info.param));
+                         });
+
+TEST(Dispatch, BestIsaIsRunnableAndScalarAlwaysPresent) {
+  const auto isas = runnable_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), Isa::kScalar);
+  EXPECT_EQ(best_isa(), isas.back());
+  EXPECT_TRUE(isa_supported_by_cpu(active_isa()));
+}
+
+TEST(Dispatch, ParseIsaRoundTrips) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
+  EXPECT_FALSE(parse_isa("sse9").has_value());
+}
+
+}  // namespace
+}  // namespace npu_attn::testing
