@@ -29,7 +29,8 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }
 
 void check_view_consistent(const TensorView& t, const char* name) {
-  if (t.shape.size() != t.strides.size()) fail_value(std::string(name) + ": shape/stride rank mismatch");
+  if (t.shape.size() != t.strides.size())
+    fail_value(std::string(name) + ": shape/stride rank mismatch");
   for (int64_t s : t.shape)
     if (s < 0) fail_value(std::string(name) + " has a negative size " + shape_string(t.shape));
   if (!t.on_cpu) {
@@ -121,13 +122,20 @@ void set_mask(const TensorView& mask, const AttentionParams& p, AttentionParams&
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kBool: return "bool";
-    case DType::kUInt8: return "uint8";
-    case DType::kOther: return "an unsupported dtype";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kBool:
+      return "bool";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kOther:
+      return "an unsupported dtype";
   }
   return "unknown";
 }
@@ -236,8 +244,8 @@ void attention_reference(const AttentionParams& p) {
       Matrix S = (Q * K.transpose()) * static_cast<double>(p.scale);
       for (int64_t i = 0; i < p.len_q; ++i) {
         for (int64_t j = 0; j < p.len_k; ++j) {
-          const int64_t moff =
-              b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
+          const int64_t moff = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
+                               j * p.mask_stride[3];
           if (p.mask_kind == MaskKind::kAdditive) {
             S(i, j) += static_cast<const float*>(p.mask)[moff];
           } else if (p.mask_kind == MaskKind::kBool && !static_cast<const uint8_t*>(p.mask)[moff]) {

@@ -39,11 +39,11 @@ class ArgumentError : public std::invalid_argument {
 };
 
 struct SdpaArguments {
-  TensorView query;   // (B, Hq, Lq, D)
-  TensorView key;     // (B, Hkv, Lk, D)
-  TensorView value;   // (B, Hkv, Lk, Dv)
+  TensorView query;                     // (B, Hq, Lq, D)
+  TensorView key;                       // (B, Hkv, Lk, D)
+  TensorView value;                     // (B, Hkv, Lk, Dv)
   std::optional<TensorView> attn_mask;  // bool or float32, broadcastable to (B, Hq, Lq, Lk)
-  TensorView out;     // (B, Hq, Lq, Dv) float32, written
+  TensorView out;                       // (B, Hq, Lq, Dv) float32, written
   std::optional<TensorView> lse;        // (B, Hq, Lq) float32, written
   std::optional<double> scale;          // default 1/sqrt(D)
   bool is_causal = false;

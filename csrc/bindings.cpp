@@ -39,9 +39,12 @@ DType dtype_from_dlpack(DLDataType t) {
 
 std::string device_name(DLDevice d) {
   switch (d.device_type) {
-    case kDLCPU: return "cpu";
-    case kDLCUDA: return "cuda:" + std::to_string(d.device_id);
-    default: return "dlpack-device-" + std::to_string(d.device_type);
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return "cuda:" + std::to_string(d.device_id);
+    default:
+      return "dlpack-device-" + std::to_string(d.device_type);
   }
 }
 
@@ -94,8 +97,9 @@ TensorView view_from_buffer(py::buffer buffer, bool writable, const char* name) 
   for (size_t i = 0; i < info.strides.size(); ++i) {
     if (info.strides[i] % info.itemsize != 0) {
       throw npu_attn::ArgumentError(npu_attn::ArgumentError::Kind::kValue,
-                                    std::string(name) + " has a stride that is not a multiple of "
-                                                        "its element size");
+                                    std::string(name) +
+                                        " has a stride that is not a multiple of "
+                                        "its element size");
     }
     view.strides.push_back(info.strides[i] / info.itemsize);
   }
@@ -103,10 +107,13 @@ TensorView view_from_buffer(py::buffer buffer, bool writable, const char* name) 
 }
 
 TensorView to_view(py::handle obj, bool writable, const char* name) {
-  if (py::isinstance<py::capsule>(obj)) return view_from_capsule(py::reinterpret_borrow<py::capsule>(obj), name);
-  if (PyObject_CheckBuffer(obj.ptr())) return view_from_buffer(py::reinterpret_borrow<py::buffer>(obj), writable, name);
+  if (py::isinstance<py::capsule>(obj))
+    return view_from_capsule(py::reinterpret_borrow<py::capsule>(obj), name);
+  if (PyObject_CheckBuffer(obj.ptr()))
+    return view_from_buffer(py::reinterpret_borrow<py::buffer>(obj), writable, name);
   throw npu_attn::ArgumentError(npu_attn::ArgumentError::Kind::kType,
-                                std::string(name) + " must be a torch.Tensor or numpy.ndarray, got " +
+                                std::string(name) +
+                                    " must be a torch.Tensor or numpy.ndarray, got " +
                                     std::string(py::str(py::type::of(obj).attr("__name__"))));
 }
 
@@ -118,7 +125,7 @@ std::optional<TensorView> to_optional_view(py::object obj, bool writable, const 
 npu_attn::SdpaArguments collect_arguments(py::handle query, py::handle key, py::handle value,
                                           py::handle out, py::object attn_mask, py::object lse,
                                           std::optional<double> scale, bool is_causal,
-                                          bool enable_gqa) {
+                                          bool enable_gqa, std::optional<int> num_threads) {
   npu_attn::SdpaArguments args;
   args.query = to_view(query, false, "query");
   args.key = to_view(key, false, "key");
@@ -129,13 +136,14 @@ npu_attn::SdpaArguments collect_arguments(py::handle query, py::handle key, py::
   args.scale = scale;
   args.is_causal = is_causal;
   args.enable_gqa = enable_gqa;
-  args.num_threads = npu_attn::get_num_threads();
+  args.num_threads = num_threads ? *num_threads : npu_attn::get_num_threads();
   return args;
 }
 
 npu_attn::Isa isa_from_name(const std::string& name) {
   const auto isa = npu_attn::parse_isa(name);
-  if (!isa) throw py::value_error("unknown kernel variant '" + name + "'; expected scalar, avx2 or avx512");
+  if (!isa)
+    throw py::value_error("unknown kernel variant '" + name + "'; expected scalar, avx2 or avx512");
   return *isa;
 }
 
@@ -147,9 +155,10 @@ std::vector<std::string> isa_names(const std::vector<npu_attn::Isa>& isas) {
 
 void forward(py::handle query, py::handle key, py::handle value, py::handle out,
              py::object attn_mask, py::object lse, std::optional<double> scale, bool is_causal,
-             bool enable_gqa, std::optional<std::string> isa, bool reference) {
-  const auto args =
-      collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal, enable_gqa);
+             bool enable_gqa, std::optional<int> num_threads, std::optional<std::string> isa,
+             bool reference) {
+  const auto args = collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal,
+                                      enable_gqa, num_threads);
   const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
   const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
   py::gil_scoped_release no_gil;
@@ -183,23 +192,25 @@ PYBIND11_MODULE(_C, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const npu_attn::ArgumentError& e) {
-      PyErr_SetString(e.kind() == npu_attn::ArgumentError::Kind::kType ? PyExc_TypeError
-                                                                        : PyExc_ValueError,
-                      e.what());
+      PyErr_SetString(
+          e.kind() == npu_attn::ArgumentError::Kind::kType ? PyExc_TypeError : PyExc_ValueError,
+          e.what());
     }
   });
 
   m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("attn_mask") = py::none(), py::arg("lse") = py::none(),
-        py::arg("scale") = py::none(), py::arg("is_causal") = false,
-        py::arg("enable_gqa") = false, py::arg("isa") = py::none(), py::arg("reference") = false,
+        py::arg("scale") = py::none(), py::arg("is_causal") = false, py::arg("enable_gqa") = false,
+        py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
+        py::arg("reference") = false,
         "Attention forward into `out` (and `lse`). Inputs: DLPack capsules or buffers.");
 
   m.def("get_num_threads", &npu_attn::get_num_threads);
   m.def("set_num_threads", &npu_attn::set_num_threads, py::arg("threads"));
   m.def("active_isa", [] { return std::string(npu_attn::isa_name(npu_attn::active_isa())); });
-  m.def("set_isa", [](const std::string& name) { npu_attn::set_active_isa(isa_from_name(name)); },
-        py::arg("name"));
+  m.def(
+      "set_isa", [](const std::string& name) { npu_attn::set_active_isa(isa_from_name(name)); },
+      py::arg("name"));
   m.def("best_isa", [] { return std::string(npu_attn::isa_name(npu_attn::best_isa())); });
   m.def("compiled_isas", [] { return isa_names(npu_attn::compiled_isas()); });
   m.def("runnable_isas", [] { return isa_names(npu_attn::runnable_isas()); });

@@ -19,21 +19,27 @@ bool cpu_has_avx2() {
 }
 bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         cpu_has_avx2();
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_has_avx2();
 }
 #else
-bool cpu_has_avx2() { return false; }
-bool cpu_has_avx512() { return false; }
+bool cpu_has_avx2() {
+  return false;
+}
+bool cpu_has_avx512() {
+  return false;
+}
 #endif
 
 }  // namespace
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }
@@ -46,22 +52,29 @@ std::optional<Isa> parse_isa(const std::string& name) {
 
 bool isa_compiled(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return true;
+    case Isa::kScalar:
+      return true;
 #if defined(NPU_ATTN_HAVE_AVX2)
-    case Isa::kAvx2: return true;
+    case Isa::kAvx2:
+      return true;
 #endif
 #if defined(NPU_ATTN_HAVE_AVX512)
-    case Isa::kAvx512: return true;
+    case Isa::kAvx512:
+      return true;
 #endif
-    default: return false;
+    default:
+      return false;
   }
 }
 
 bool isa_supported_by_cpu(Isa isa) {
   switch (isa) {
-    case Isa::kScalar: return true;
-    case Isa::kAvx2: return cpu_has_avx2();
-    case Isa::kAvx512: return cpu_has_avx512();
+    case Isa::kScalar:
+      return true;
+    case Isa::kAvx2:
+      return cpu_has_avx2();
+    case Isa::kAvx512:
+      return cpu_has_avx512();
   }
   return false;
 }
@@ -80,7 +93,9 @@ std::vector<Isa> runnable_isas() {
   return out;
 }
 
-Isa best_isa() { return runnable_isas().back(); }
+Isa best_isa() {
+  return runnable_isas().back();
+}
 
 Isa select_isa_from_environment() {
   const char* requested = std::getenv("NPU_ATTN_ISA");
@@ -96,8 +111,8 @@ Isa select_isa_from_environment() {
   }
   if (!isa_supported_by_cpu(*isa)) {
     throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
-                             "': this CPU cannot run it (best available: " +
-                             isa_name(best_isa()) + ")");
+                             "': this CPU cannot run it (best available: " + isa_name(best_isa()) +
+                             ")");
   }
   return *isa;
 }
@@ -132,13 +147,20 @@ void run_attention_forward(const AttentionParams& params, Isa isa) {
   }
   switch (isa) {
 #if defined(NPU_ATTN_HAVE_AVX512)
-    case Isa::kAvx512: kernels::attention_forward_avx512(params); return;
+    case Isa::kAvx512:
+      kernels::attention_forward_avx512(params);
+      return;
 #endif
 #if defined(NPU_ATTN_HAVE_AVX2)
-    case Isa::kAvx2: kernels::attention_forward_avx2(params); return;
+    case Isa::kAvx2:
+      kernels::attention_forward_avx2(params);
+      return;
 #endif
-    case Isa::kScalar: kernels::attention_forward_scalar(params); return;
-    default: break;
+    case Isa::kScalar:
+      kernels::attention_forward_scalar(params);
+      return;
+    default:
+      break;
   }
   throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' is not compiled");
 }

@@ -49,6 +49,8 @@ WorkspaceStats workspace_stats() {
   return {g_current_bytes.load(), g_peak_bytes.load(), g_allocations.load()};
 }
 
-void workspace_reset_peak() { g_peak_bytes.store(g_current_bytes.load()); }
+void workspace_reset_peak() {
+  g_peak_bytes.store(g_current_bytes.load());
+}
 
 }  // namespace npu_attn

@@ -5,6 +5,8 @@
 
 namespace npu_attn::kernels {
 
-void attention_forward_avx2(const AttentionParams& params) { attention_forward_tiled(params); }
+void attention_forward_avx2(const AttentionParams& params) {
+  attention_forward_tiled(params);
+}
 
 }  // namespace npu_attn::kernels

@@ -1,10 +1,13 @@
-// avx512 variant of the tiled attention forward kernel. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma.
+// avx512 variant of the tiled attention forward kernel. Built with -mavx512f -mavx512bw -mavx512vl
+// -mavx512dq -mfma.
 #define NPU_ATTN_VEC_BYTES 64
 #include "attention_forward_impl.h"
 #include "kernels.h"
 
 namespace npu_attn::kernels {
 
-void attention_forward_avx512(const AttentionParams& params) { attention_forward_tiled(params); }
+void attention_forward_avx512(const AttentionParams& params) {
+  attention_forward_tiled(params);
+}
 
 }  // namespace npu_attn::kernels

@@ -51,10 +51,16 @@ inline Vec load(const float* p) {
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline Vec splat(float x) { return Vec{} + x; }
+inline void store(float* p, Vec v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+inline Vec splat(float x) {
+  return Vec{} + x;
+}
 // NaN-sticky max: once a lane is NaN it stays NaN, so a NaN score reaches the row max.
-inline Vec vmax(Vec a, Vec b) { return ((a > b) | (a != a)) ? a : b; }
+inline Vec vmax(Vec a, Vec b) {
+  return ((a > b) | (a != a)) ? a : b;
+}
 
 inline float reduce_max(Vec v) {
   float m = v[0];
@@ -66,10 +72,18 @@ inline float reduce_sum(Vec v) {
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
-inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
-inline int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+inline int64_t min_i64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+inline int64_t max_i64(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+inline int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+inline int64_t ceil_div(int64_t x, int64_t m) {
+  return (x + m - 1) / m;
+}
 
 // exp(x) for x <= 0 (all softmax arguments are <= 0 after subtracting the row max).
 // Cephes-style: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n built in the exponent
@@ -100,15 +114,17 @@ inline Vec exp_nonpositive(Vec x) {
   return is_nan ? x : y;
 }
 
-inline float exp_scalar(float x) { return __builtin_expf(x); }
+inline float exp_scalar(float x) {
+  return __builtin_expf(x);
+}
 
 // ---------------------------------------------------------------- tiling
 struct Tiling {
-  int64_t block_q;       // query rows per task
-  int64_t block_k;       // keys per tile (multiple of kKeyColumnsAlign)
-  int64_t num_k_tiles;   // ceil(len_k / block_k)
-  int64_t dv_padded;     // head_dim_v rounded up to whole vectors
-  int64_t pair_floats;   // packed K^T + V floats for one (batch, kv-head) pair
+  int64_t block_q;      // query rows per task
+  int64_t block_k;      // keys per tile (multiple of kKeyColumnsAlign)
+  int64_t num_k_tiles;  // ceil(len_k / block_k)
+  int64_t dv_padded;    // head_dim_v rounded up to whole vectors
+  int64_t pair_floats;  // packed K^T + V floats for one (batch, kv-head) pair
   int64_t pairs_per_chunk;
 };
 
@@ -172,8 +188,8 @@ void pack_value_rows(const AttentionParams& p, const Tiling& t, const float* v_h
 // ---------------------------------------------------------------- micro-kernels
 // s[r][0 : 2*kLanes] = sum_d q[r][d] * kt[d][0 : 2*kLanes]
 template <int Rows>
-void score_micro(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t depth,
-                 float* s, int64_t lds) {
+void score_micro(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t depth, float* s,
+                 int64_t lds) {
   Vec acc[Rows][kScoreVecs];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
@@ -211,12 +227,23 @@ void compute_scores(const float* q, int64_t depth, const float* kt, int64_t ldk,
   const float* qr = q + r * depth;
   float* sr = s + r * lds;
   switch (rows - r) {
-    case 5: score_rows<5>(qr, depth, kt, ldk, depth, columns, sr, lds); break;
-    case 4: score_rows<4>(qr, depth, kt, ldk, depth, columns, sr, lds); break;
-    case 3: score_rows<3>(qr, depth, kt, ldk, depth, columns, sr, lds); break;
-    case 2: score_rows<2>(qr, depth, kt, ldk, depth, columns, sr, lds); break;
-    case 1: score_rows<1>(qr, depth, kt, ldk, depth, columns, sr, lds); break;
-    default: break;
+    case 5:
+      score_rows<5>(qr, depth, kt, ldk, depth, columns, sr, lds);
+      break;
+    case 4:
+      score_rows<4>(qr, depth, kt, ldk, depth, columns, sr, lds);
+      break;
+    case 3:
+      score_rows<3>(qr, depth, kt, ldk, depth, columns, sr, lds);
+      break;
+    case 2:
+      score_rows<2>(qr, depth, kt, ldk, depth, columns, sr, lds);
+      break;
+    case 1:
+      score_rows<1>(qr, depth, kt, ldk, depth, columns, sr, lds);
+      break;
+    default:
+      break;
   }
 }
 
@@ -255,10 +282,17 @@ void pv_rows(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t k
   const float* vc = v + c * kLanes;
   float* oc = o + c * kLanes;
   switch (vecs - c) {
-    case 3: pv_micro<Rows, 3>(p, ldp, vc, ldv, keys, oc, ldo); break;
-    case 2: pv_micro<Rows, 2>(p, ldp, vc, ldv, keys, oc, ldo); break;
-    case 1: pv_micro<Rows, 1>(p, ldp, vc, ldv, keys, oc, ldo); break;
-    default: break;
+    case 3:
+      pv_micro<Rows, 3>(p, ldp, vc, ldv, keys, oc, ldo);
+      break;
+    case 2:
+      pv_micro<Rows, 2>(p, ldp, vc, ldv, keys, oc, ldo);
+      break;
+    case 1:
+      pv_micro<Rows, 1>(p, ldp, vc, ldv, keys, oc, ldo);
+      break;
+    default:
+      break;
   }
 }
 
@@ -275,12 +309,23 @@ void accumulate_pv(const float* p, int64_t ldp, const float* v, int64_t ldv, int
     const float* pr = pj + r * ldp;
     float* orow = o + r * ldo;
     switch (rows - r) {
-      case 5: pv_rows<5>(pr, ldp, vj, ldv, kc, orow, ldo, vecs); break;
-      case 4: pv_rows<4>(pr, ldp, vj, ldv, kc, orow, ldo, vecs); break;
-      case 3: pv_rows<3>(pr, ldp, vj, ldv, kc, orow, ldo, vecs); break;
-      case 2: pv_rows<2>(pr, ldp, vj, ldv, kc, orow, ldo, vecs); break;
-      case 1: pv_rows<1>(pr, ldp, vj, ldv, kc, orow, ldo, vecs); break;
-      default: break;
+      case 5:
+        pv_rows<5>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
+        break;
+      case 4:
+        pv_rows<4>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
+        break;
+      case 3:
+        pv_rows<3>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
+        break;
+      case 2:
+        pv_rows<2>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
+        break;
+      case 1:
+        pv_rows<1>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -356,11 +401,11 @@ void softmax_update(int64_t rows, int64_t columns, float* s, int64_t lds, float*
 
 // ---------------------------------------------------------------- one task
 struct ThreadScratch {
-  float* q;    // block_q x head_dim, scaled
-  float* s;    // block_q x block_k
-  float* o;    // block_q x dv_padded
-  float* m;    // block_q
-  float* l;    // block_q
+  float* q;  // block_q x head_dim, scaled
+  float* s;  // block_q x block_k
+  float* o;  // block_q x dv_padded
+  float* m;  // block_q
+  float* l;  // block_q
 };
 
 int64_t scratch_floats(const AttentionParams& p, const Tiling& t) {

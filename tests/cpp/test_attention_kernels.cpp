@@ -26,10 +26,10 @@ struct Case {
 
   std::string describe() const {
     std::ostringstream os;
-    os << "B" << batch << " Hq" << heads_q << " Hkv" << heads_kv << " Lq" << len_q << " Lk"
-       << len_k << " D" << head_dim << " Dv" << head_dim_v
-       << (layout == Layout::kBSHD ? " BSHD" : " BHSD") << " mask" << static_cast<int>(mask)
-       << (causal ? " causal" : "") << " qscale" << input_scale;
+    os << "B" << batch << " Hq" << heads_q << " Hkv" << heads_kv << " Lq" << len_q << " Lk" << len_k
+       << " D" << head_dim << " Dv" << head_dim_v << (layout == Layout::kBSHD ? " BSHD" : " BHSD")
+       << " mask" << static_cast<int>(mask) << (causal ? " causal" : "") << " qscale"
+       << input_scale;
     return os.str();
   }
 };
@@ -61,9 +61,14 @@ void build_mask(const Case& c, Problem& pr, uint32_t seed) {
     pr.args.attn_mask = pr.additive.view(DType::kFloat32);
   };
   switch (c.mask) {
-    case MaskCase::kNone: break;
-    case MaskCase::kBoolFull: fill_bool({c.batch, c.heads_q, c.len_q, c.len_k}); break;
-    case MaskCase::kBool2D: fill_bool({c.len_q, c.len_k}); break;
+    case MaskCase::kNone:
+      break;
+    case MaskCase::kBoolFull:
+      fill_bool({c.batch, c.heads_q, c.len_q, c.len_k});
+      break;
+    case MaskCase::kBool2D:
+      fill_bool({c.len_q, c.len_k});
+      break;
     case MaskCase::kBoolKeyPadding: {
       fill_bool({c.batch, 1, 1, c.len_k});
       // Pad the tail of each sequence (all queries then see a prefix).
@@ -71,8 +76,12 @@ void build_mask(const Case& c, Problem& pr, uint32_t seed) {
         for (int64_t j = 0; j < c.len_k; ++j) pr.boolean.at({b, 0, 0, j}) = j < c.len_k - b;
       break;
     }
-    case MaskCase::kAdditiveFull: fill_additive({c.batch, c.heads_q, c.len_q, c.len_k}); break;
-    case MaskCase::kAdditiveHeads: fill_additive({c.batch, 1, c.len_q, c.len_k}); break;
+    case MaskCase::kAdditiveFull:
+      fill_additive({c.batch, c.heads_q, c.len_q, c.len_k});
+      break;
+    case MaskCase::kAdditiveHeads:
+      fill_additive({c.batch, 1, c.len_q, c.len_k});
+      break;
   }
 }
 
@@ -137,15 +146,15 @@ std::vector<Case> shape_grid() {
     cases.push_back({1, 2, 2, 67, 67, d, d});
     cases.push_back({2, 1, 1, 130, 77, d, d});  // cross-attention to 77 text tokens
   }
-  cases.push_back({1, 1, 1, 1, 1, 64, 64});     // length 1
-  cases.push_back({1, 3, 3, 1, 300, 40, 40});   // one query, many keys
-  cases.push_back({1, 2, 2, 300, 1, 40, 40});   // many queries, one key
+  cases.push_back({1, 1, 1, 1, 1, 64, 64});       // length 1
+  cases.push_back({1, 3, 3, 1, 300, 40, 40});     // one query, many keys
+  cases.push_back({1, 2, 2, 300, 1, 40, 40});     // many queries, one key
   cases.push_back({2, 4, 4, 1030, 600, 64, 64});  // several tiles both ways
   cases.push_back({1, 2, 2, 100, 100, 64, 40});   // Dv != D
   cases.push_back({1, 2, 2, 100, 100, 40, 130});
-  cases.push_back({1, 8, 2, 90, 120, 64, 64});    // GQA 4:1
-  cases.push_back({2, 6, 3, 50, 50, 72, 72});     // GQA 2:1
-  cases.push_back({3, 5, 1, 33, 47, 24, 24});     // MQA
+  cases.push_back({1, 8, 2, 90, 120, 64, 64});  // GQA 4:1
+  cases.push_back({2, 6, 3, 50, 50, 72, 72});   // GQA 2:1
+  cases.push_back({3, 5, 1, 33, 47, 24, 24});   // MQA
   return cases;
 }
 
@@ -160,14 +169,14 @@ TEST_P(EveryIsa, MatchesReferenceOnShapeGrid) {
 
 TEST_P(EveryIsa, MatchesReferenceWithMasksAndCausal) {
   const std::vector<Case> bases = {
-      {2, 4, 4, 97, 97, 64, 64}, {1, 2, 2, 130, 77, 40, 40}, {2, 4, 2, 70, 300, 80, 80},
+      {2, 4, 4, 97, 97, 64, 64},  {1, 2, 2, 130, 77, 40, 40}, {2, 4, 2, 70, 300, 80, 80},
       {1, 1, 1, 300, 90, 59, 59},  // Lq > Lk with causal: top-left alignment
       {1, 2, 2, 5, 700, 32, 32},   // Lq < Lk
   };
   for (Case c : bases) {
-    for (MaskCase m : {MaskCase::kNone, MaskCase::kBoolFull, MaskCase::kBool2D,
-                       MaskCase::kBoolKeyPadding, MaskCase::kAdditiveFull,
-                       MaskCase::kAdditiveHeads}) {
+    for (MaskCase m :
+         {MaskCase::kNone, MaskCase::kBoolFull, MaskCase::kBool2D, MaskCase::kBoolKeyPadding,
+          MaskCase::kAdditiveFull, MaskCase::kAdditiveHeads}) {
       for (bool causal : {false, true}) {
         c.mask = m;
         c.causal = causal;
@@ -280,7 +289,9 @@ TEST_P(EveryIsa, WorkspaceIsReleasedAndLinearInSequenceLength) {
   EXPECT_LT(large, 4096LL * 4096 * 4 / 8);  // far below one head's score matrix
 }
 
-std::vector<Isa> runnable() { return runnable_isas(); }
+std::vector<Isa> runnable() {
+  return runnable_isas();
+}
 
 INSTANTIATE_TEST_SUITE_P(Kernels, EveryIsa, ::testing::ValuesIn(runnable()),
                          [](const ::testing::TestParamInfo<Isa>& info) {

@@ -1,0 +1,82 @@
+// Micro-benchmarks of the tiled forward kernel, per ISA variant, on diffusion shapes.
+//   build/cpp/bench/cpp/npu_attn_bench_kernels --benchmark_filter=avx512
+// Reports GFLOP/s (4 * B * H * Lq * Lk * D flops per forward).
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "attention.h"
+#include "dispatch.h"
+
+namespace {
+
+struct Shape {
+  int64_t batch, heads, len_q, len_k, head_dim;
+};
+
+void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s) {
+  if (!npu_attn::isa_supported_by_cpu(isa)) {
+    state.SkipWithError("ISA not supported by this CPU");
+    return;
+  }
+  std::mt19937 rng(0);
+  std::normal_distribution<float> dist;
+  auto make = [&](int64_t len) {
+    std::vector<float> data(s.batch * s.heads * len * s.head_dim);
+    for (auto& x : data) x = dist(rng);
+    return data;
+  };
+  std::vector<float> q = make(s.len_q), k = make(s.len_k), v = make(s.len_k), out = make(s.len_q);
+  auto view = [&](std::vector<float>& data, int64_t len) {
+    npu_attn::TensorView t;
+    t.data = data.data();
+    t.dtype = npu_attn::DType::kFloat32;
+    t.shape = {s.batch, s.heads, len, s.head_dim};
+    t.strides = {s.heads * len * s.head_dim, len * s.head_dim, s.head_dim, 1};
+    return t;
+  };
+  npu_attn::SdpaArguments args;
+  args.query = view(q, s.len_q);
+  args.key = view(k, s.len_k);
+  args.value = view(v, s.len_k);
+  args.out = view(out, s.len_q);
+  args.num_threads = static_cast<int>(state.range(0));
+  const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
+  for (auto _ : state) {
+    npu_attn::run_attention_forward(params, isa);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double flops = 4.0 * s.batch * s.heads * s.len_q * s.len_k * s.head_dim;
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+void register_all() {
+  const std::pair<const char*, Shape> shapes[] = {
+      {"sd15_self_4096_d40", {2, 8, 4096, 4096, 40}},
+      {"sd15_cross_4096x77_d40", {2, 8, 4096, 77, 40}},
+      {"b2h8_4096_d64", {2, 8, 4096, 4096, 64}},
+      {"sd15_self_1024_d80", {2, 8, 1024, 1024, 80}},
+  };
+  for (auto isa : npu_attn::runnable_isas()) {
+    for (const auto& [name, shape] : shapes) {
+      const std::string label = std::string(npu_attn::isa_name(isa)) + "/" + name;
+      benchmark::RegisterBenchmark(label.c_str(), bench_forward, isa, shape)
+          ->Arg(1)
+          ->Arg(2)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

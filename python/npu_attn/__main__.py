@@ -1,0 +1,38 @@
+"""Command line: ``python -m npu_attn <command>``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m npu_attn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    compare = sub.add_parser(
+        "compare", help="npu_attn's kernel vs torch SDPA on diffusion shapes: agreement and times"
+    )
+    compare.add_argument("--repeats", type=int, default=5)
+    demo = sub.add_parser("demo", help="the main job (currently: the kernel comparison)")
+    demo.add_argument("--repeats", type=int, default=5)
+    sub.add_parser("info", help="build information and the active kernel variant")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("compare", "demo"):
+        from ._compare import main as compare_main
+
+        return compare_main(args.repeats)
+    if args.command == "info":
+        from ._runtime import build_info
+
+        for key, value in build_info().items():
+            print(f"{key}: {value}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

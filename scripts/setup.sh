@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh Debian/Ubuntu machine: system packages, a Python venv in .venv
+# with pinned dependencies, and npu_attn built and installed into it. Safe to re-run (it also
+# rebuilds the extension after C++ changes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(g++ make binutils libeigen3-dev libgtest-dev libbenchmark-dev libdlpack-dev clang-format)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "==> installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# torch==2.13.0 (pinned) ships wheels for this Python; prefer 3.11 where several exist.
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv with $PYTHON"
+  "$PYTHON" -m venv .venv
+fi
+echo "==> installing Python dependencies (requirements-dev.txt)"
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
+  "cmake>=3.20,<5" "ninja>=1.11,<2" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+echo "==> building and installing npu_attn"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . \
+  2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import npu_attn; print('npu_attn', npu_attn.__version__, 'kernel:', npu_attn.active_isa())"

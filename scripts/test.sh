@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every test: lint, the C++ GoogleTest suite (normal and ASan+UBSan builds) via ctest,
+# then pytest. Expects scripts/setup.sh to have run. Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"
+JOBS="$(nproc)"
+
+echo "==> lint: ruff and clang-format"
+ruff check python tests bench
+ruff format --check python tests bench
+find csrc tests/cpp bench -name '*.cpp' -o -name '*.h' | xargs clang-format --dry-run --Werror
+
+echo "==> C++ tests (Release)"
+cmake -S . -B build/cpp -G Ninja -DNPU_ATTN_BUILD_PYTHON=OFF -DNPU_ATTN_BUILD_BENCH=ON >/dev/null
+cmake --build build/cpp -j "$JOBS"
+ctest --test-dir build/cpp --output-on-failure -j "$JOBS"
+
+echo "==> C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
+cmake -S . -B build/asan -G Ninja -DNPU_ATTN_BUILD_PYTHON=OFF -DNPU_ATTN_SANITIZE=ON \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build/asan -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build/asan --output-on-failure -j "$JOBS"
+
+echo "==> Python tests"
+python -m pytest tests/py

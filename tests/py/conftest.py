@@ -1,0 +1,52 @@
+"""Shared helpers for the Python tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def reference_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch's SDPA math in float64: the oracle every kernel is checked against.
+
+    torch's math path refuses attn_mask together with is_causal (its CPU flash path applies
+    both); npu_attn applies both, so the reference folds the causal mask into attn_mask.
+    """
+    mask = attn_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double()
+    if mask is not None and is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        causal = torch.ones(lq, lk, dtype=torch.bool).tril()
+        if mask.dtype == torch.bool:
+            mask = mask & causal
+        else:
+            mask = mask.masked_fill(~causal, float("-inf"))
+        is_causal = False
+    return F.scaled_dot_product_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max |a - b|; NaN/Inf must sit at the same places with the same values."""
+    a = a.double()
+    b = b.double()
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN positions differ"
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    assert torch.equal(a[~finite & ~torch.isnan(a)], b[~finite & ~torch.isnan(b)]), "Inf differ"
+    if not finite.any():
+        return 0.0
+    return float((a[finite] - b[finite]).abs().max())
