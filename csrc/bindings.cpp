@@ -224,6 +224,15 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("reset_workspace_peak", &npu_attn::workspace_reset_peak);
   m.def("build_info", &build_info);
+  m.def(
+      "fma_peak_gflops",
+      [](std::optional<std::string> isa, int threads, double seconds) {
+        const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+        py::gil_scoped_release no_gil;
+        return npu_attn::measure_fma_peak_gflops(variant, threads, seconds);
+      },
+      py::arg("isa") = py::none(), py::arg("threads") = 1, py::arg("seconds") = 0.3,
+      "Measured fp32 FMA peak of this machine in GFLOP/s.");
 
   // Choose the kernel variant now so a bad NPU_ATTN_ISA fails at import with a clear message.
   npu_attn::active_isa();

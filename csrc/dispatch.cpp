@@ -165,4 +165,23 @@ void run_attention_forward(const AttentionParams& params, Isa isa) {
   throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' is not compiled");
 }
 
+double measure_fma_peak_gflops(Isa isa, int threads, double seconds) {
+  if (!isa_supported_by_cpu(isa) || !isa_compiled(isa)) {
+    throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' cannot run here");
+  }
+  if (threads < 1 || !(seconds > 0)) throw std::invalid_argument("threads >= 1 and seconds > 0");
+  switch (isa) {
+#if defined(NPU_ATTN_HAVE_AVX512)
+    case Isa::kAvx512:
+      return kernels::fma_peak_gflops_avx512(threads, seconds);
+#endif
+#if defined(NPU_ATTN_HAVE_AVX2)
+    case Isa::kAvx2:
+      return kernels::fma_peak_gflops_avx2(threads, seconds);
+#endif
+    default:
+      return kernels::fma_peak_gflops_scalar(threads, seconds);
+  }
+}
+
 }  // namespace npu_attn

@@ -2,12 +2,17 @@
 // -mavx512dq -mfma.
 #define NPU_ATTN_VEC_BYTES 64
 #include "attention_forward_impl.h"
+#include "fma_peak_impl.h"
 #include "kernels.h"
 
 namespace npu_attn::kernels {
 
 void attention_forward_avx512(const AttentionParams& params) {
   attention_forward_tiled(params);
+}
+
+double fma_peak_gflops_avx512(int threads, double seconds) {
+  return measure_fma_peak(threads, seconds);
 }
 
 }  // namespace npu_attn::kernels

@@ -54,8 +54,12 @@ inline Vec load(const float* p) {
 inline void store(float* p, Vec v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
+// Lane 0 shuffled to every lane: compiles to one broadcast (often folded into the FMA as a
+// {1toN} memory operand). "Vec{} + x" would be a real add the compiler must keep
+// (0 + -0 = +0), turning each broadcast into an add plus a shuffle on the FMA port.
 inline Vec splat(float x) {
-  return Vec{} + x;
+  const Vec lane0 = {x};
+  return __builtin_shuffle(lane0, IVec{});
 }
 // NaN-sticky max: once a lane is NaN it stays NaN, so a NaN score reaches the row max.
 inline Vec vmax(Vec a, Vec b) {

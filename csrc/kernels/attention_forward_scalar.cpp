@@ -2,12 +2,17 @@
 // target default (SSE2 on x86-64).
 #define NPU_ATTN_VEC_BYTES 16
 #include "attention_forward_impl.h"
+#include "fma_peak_impl.h"
 #include "kernels.h"
 
 namespace npu_attn::kernels {
 
 void attention_forward_scalar(const AttentionParams& params) {
   attention_forward_tiled(params);
+}
+
+double fma_peak_gflops_scalar(int threads, double seconds) {
+  return measure_fma_peak(threads, seconds);
 }
 
 }  // namespace npu_attn::kernels

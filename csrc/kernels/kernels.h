@@ -8,11 +8,14 @@
 namespace npu_attn::kernels {
 
 void attention_forward_scalar(const AttentionParams& params);
+double fma_peak_gflops_scalar(int threads, double seconds);
 #if defined(NPU_ATTN_HAVE_AVX2)
 void attention_forward_avx2(const AttentionParams& params);
+double fma_peak_gflops_avx2(int threads, double seconds);
 #endif
 #if defined(NPU_ATTN_HAVE_AVX512)
 void attention_forward_avx512(const AttentionParams& params);
+double fma_peak_gflops_avx512(int threads, double seconds);
 #endif
 
 }  // namespace npu_attn::kernels
