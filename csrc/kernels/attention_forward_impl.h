@@ -34,44 +34,55 @@ constexpr int kVecBytes = NPU_ATTN_VEC_BYTES;
 constexpr int kLanes = kVecBytes / static_cast<int>(sizeof(float));
 typedef float Vec __attribute__((vector_size(kVecBytes)));
 typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
+typedef uint32_t UVec __attribute__((vector_size(kVecBytes)));
 
-// Register blocking, chosen so accumulators + operands fit the register file
-// (32 vector registers with AVX-512, 16 otherwise).
-constexpr int kScoreRows = 6;  // score micro-kernel: 6 rows x 2 vectors of keys
-constexpr int kScoreVecs = 2;
-constexpr int kPvRows = kVecBytes == 64 ? 6 : 4;  // P*V micro-kernel: rows x value vectors
-constexpr int kPvMaxVecs = kVecBytes == 64 ? 4 : 3;
+// Register blocking, chosen so accumulators + operands fit the register file (32 vector
+// registers with AVX-512, 16 otherwise).
+// Scores: kScoreRows query rows x kScoreVecs vectors of keys.
+constexpr int kScoreRows = kVecBytes == 64 ? 8 : 6;
+constexpr int kScoreVecs = kVecBytes == 64 ? 3 : 2;
 constexpr int kKeyColumnsAlign = kScoreVecs * kLanes;
+// P*V: up to kPvMaxVecs vectors of the value dim, with as many rows as registers allow.
+constexpr int kPvMaxVecs = kVecBytes == 64 ? 4 : 3;
+template <int Vecs>
+constexpr int pv_rows_for() {
+  if (kVecBytes == 64) return Vecs <= 2 ? 12 : (Vecs == 3 ? 8 : 6);
+  return Vecs == 1 ? 8 : (Vecs == 2 ? 6 : 4);
+}
 constexpr int kPvKeyChunk = 128;  // keys per P*V pass: keeps the V chunk in L1/L2
 
 constexpr float kNegInf = -__builtin_inff();
 
-inline Vec load(const float* p) {
+// Vector helpers must always inline: a call per vector costs more than the work inside.
+#define NPU_ATTN_VEC_INLINE inline __attribute__((always_inline))
+
+NPU_ATTN_VEC_INLINE Vec load(const float* p) {
   Vec v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store(float* p, Vec v) {
+NPU_ATTN_VEC_INLINE void store(float* p, Vec v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
 // Lane 0 shuffled to every lane: compiles to one broadcast (often folded into the FMA as a
 // {1toN} memory operand). "Vec{} + x" would be a real add the compiler must keep
 // (0 + -0 = +0), turning each broadcast into an add plus a shuffle on the FMA port.
-inline Vec splat(float x) {
+NPU_ATTN_VEC_INLINE Vec splat(float x) {
   const Vec lane0 = {x};
   return __builtin_shuffle(lane0, IVec{});
 }
-// NaN-sticky max: once a lane is NaN it stays NaN, so a NaN score reaches the row max.
-inline Vec vmax(Vec a, Vec b) {
-  return ((a > b) | (a != a)) ? a : b;
+// max(x, acc) that ignores a NaN x: one vmaxps (which returns its second operand when either
+// is NaN). Row maxima therefore skip NaN scores; NaN still reaches the output through exp().
+NPU_ATTN_VEC_INLINE Vec max_ignoring_nan(Vec x, Vec acc) {
+  return x > acc ? x : acc;
 }
 
-inline float reduce_max(Vec v) {
+NPU_ATTN_VEC_INLINE float reduce_max(Vec v) {  // lanes are never NaN here
   float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = (v[i] > m || v[i] != v[i]) ? v[i] : m;
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-inline float reduce_sum(Vec v) {
+NPU_ATTN_VEC_INLINE float reduce_sum(Vec v) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
@@ -90,17 +101,19 @@ inline int64_t ceil_div(int64_t x, int64_t m) {
 }
 
 // exp(x) for x <= 0 (all softmax arguments are <= 0 after subtracting the row max).
-// Cephes-style: x = n ln2 + r, exp(r) by a degree-6 polynomial, 2^n built in the exponent
-// bits. Max relative error ~2 ulp. exp(-inf) and anything below -87.33 return exactly 0 (so
-// masked keys contribute nothing); NaN returns NaN (so NaN inputs propagate like torch).
-inline Vec exp_nonpositive(Vec x) {
-  const Vec lowest = splat(-87.33654475f);
-  const IVec underflow = x < lowest;
-  const IVec is_nan = x != x;
-  Vec xc = underflow ? lowest : x;
-  xc = is_nan ? splat(0.0f) : xc;
-  const Vec round_magic = splat(12582912.0f);  // 1.5 * 2^23: round-to-nearest trick
-  const Vec n = (xc * splat(1.44269504088896341f) + round_magic) - round_magic;
+// Cephes-style: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (max relative
+// error ~2 ulp), then 2^n added straight into the exponent bits. n comes from the
+// round-to-nearest magic constant 1.5*2^23, whose low mantissa bits hold n: shifting those bits
+// left by 23 gives n << 23 exactly, so no float->int conversion is needed.
+// Results below exp(-86) ~ 4e-38 are returned as exactly 0 (this keeps 2^n normal and makes
+// masked keys, -inf, contribute exactly nothing); NaN stays NaN through r and the polynomial,
+// so NaN inputs propagate like torch.
+NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
+  const Vec lowest = splat(-86.0f);
+  const Vec xc = lowest > x ? lowest : x;  // one maxps; keeps NaN
+  const Vec round_magic = splat(12582912.0f);
+  const Vec t = xc * splat(1.44269504088896341f) + round_magic;
+  const Vec n = t - round_magic;
   Vec r = xc - n * splat(0.693359375f);
   r = r - n * splat(-2.12194440e-4f);
   Vec p = splat(1.9875691500e-4f);
@@ -110,12 +123,13 @@ inline Vec exp_nonpositive(Vec x) {
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   p = p * (r * r) + r + splat(1.0f);
-  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
-  Vec two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof(two_n));
-  Vec y = p * two_n;
-  y = underflow ? splat(0.0f) : y;
-  return is_nan ? x : y;
+  UVec t_bits, p_bits;  // unsigned: the shift wraps by definition
+  __builtin_memcpy(&t_bits, &t, sizeof(t));
+  __builtin_memcpy(&p_bits, &p, sizeof(p));
+  p_bits += t_bits << 23;  // multiply by 2^n
+  Vec y;
+  __builtin_memcpy(&y, &p_bits, sizeof(y));
+  return x < lowest ? splat(0.0f) : y;
 }
 
 inline float exp_scalar(float x) {
@@ -190,29 +204,47 @@ void pack_value_rows(const AttentionParams& p, const Tiling& t, const float* v_h
 }
 
 // ---------------------------------------------------------------- micro-kernels
-// s[r][0 : 2*kLanes] = sum_d q[r][d] * kt[d][0 : 2*kLanes]
+template <int N>
+struct Count {
+  static constexpr int value = N;
+};
+
+// Calls fn(Count<n>{}) for a runtime n in [1, Max]: turns a remainder into a template argument.
+template <int Max, typename Fn>
+inline void with_count(int64_t n, Fn&& fn) {
+  if constexpr (Max >= 1) {
+    if (n == Max) {
+      fn(Count<Max>{});
+      return;
+    }
+    with_count<Max - 1>(n, fn);
+  }
+}
+
+// s[r][0 : kScoreVecs*kLanes] = sum_d q[r][d] * kt[d][0 : kScoreVecs*kLanes]
 template <int Rows>
 void score_micro(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t depth, float* s,
                  int64_t lds) {
   Vec acc[Rows][kScoreVecs];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < kScoreVecs; ++c) acc[r][c] = splat(0.0f);
   for (int64_t d = 0; d < depth; ++d) {
-    const Vec k0 = load(kt + d * ldk);
-    const Vec k1 = load(kt + d * ldk + kLanes);
-#pragma GCC unroll 8
+    Vec kd[kScoreVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kScoreVecs; ++c) kd[c] = load(kt + d * ldk + c * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const Vec qr = splat(q[r * ldq + d]);
-      acc[r][0] += qr * k0;
-      acc[r][1] += qr * k1;
+#pragma GCC unroll 4
+      for (int c = 0; c < kScoreVecs; ++c) acc[r][c] += qr * kd[c];
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-    store(s + r * lds, acc[r][0]);
-    store(s + r * lds + kLanes, acc[r][1]);
-  }
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kScoreVecs; ++c) store(s + r * lds + c * kLanes, acc[r][c]);
 }
 
 template <int Rows>
@@ -228,108 +260,60 @@ void compute_scores(const float* q, int64_t depth, const float* kt, int64_t ldk,
   int64_t r = 0;
   for (; r + kScoreRows <= rows; r += kScoreRows)
     score_rows<kScoreRows>(q + r * depth, depth, kt, ldk, depth, columns, s + r * lds, lds);
-  const float* qr = q + r * depth;
-  float* sr = s + r * lds;
-  switch (rows - r) {
-    case 5:
-      score_rows<5>(qr, depth, kt, ldk, depth, columns, sr, lds);
-      break;
-    case 4:
-      score_rows<4>(qr, depth, kt, ldk, depth, columns, sr, lds);
-      break;
-    case 3:
-      score_rows<3>(qr, depth, kt, ldk, depth, columns, sr, lds);
-      break;
-    case 2:
-      score_rows<2>(qr, depth, kt, ldk, depth, columns, sr, lds);
-      break;
-    case 1:
-      score_rows<1>(qr, depth, kt, ldk, depth, columns, sr, lds);
-      break;
-    default:
-      break;
-  }
+  with_count<kScoreRows - 1>(rows - r, [&](auto n) {
+    score_rows<decltype(n)::value>(q + r * depth, depth, kt, ldk, depth, columns, s + r * lds, lds);
+  });
 }
 
-// o[r][0 : NV*kLanes] += sum_j p[r][j] * v[j][0 : NV*kLanes]
-template <int Rows, int NV>
+// o[r][0 : Vecs*kLanes] += sum_j p[r][j] * v[j][0 : Vecs*kLanes]
+template <int Rows, int Vecs>
 void pv_micro(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t keys, float* o,
               int64_t ldo) {
-  Vec acc[Rows][NV];
-#pragma GCC unroll 8
+  Vec acc[Rows][Vecs];
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = load(o + r * ldo + c * kLanes);
+    for (int c = 0; c < Vecs; ++c) acc[r][c] = load(o + r * ldo + c * kLanes);
   for (int64_t j = 0; j < keys; ++j) {
-    Vec vj[NV];
+    Vec vj[Vecs];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vj[c] = load(v + j * ldv + c * kLanes);
-#pragma GCC unroll 8
+    for (int c = 0; c < Vecs; ++c) vj[c] = load(v + j * ldv + c * kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const Vec pr = splat(p[r * ldp + j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] += pr * vj[c];
+      for (int c = 0; c < Vecs; ++c) acc[r][c] += pr * vj[c];
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
+    for (int c = 0; c < Vecs; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
 }
 
-template <int Rows>
-void pv_rows(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t keys, float* o,
-             int64_t ldo, int64_t vecs) {
-  int64_t c = 0;
-  for (; c + kPvMaxVecs <= vecs; c += kPvMaxVecs)
-    pv_micro<Rows, kPvMaxVecs>(p, ldp, v + c * kLanes, ldv, keys, o + c * kLanes, ldo);
-  const float* vc = v + c * kLanes;
-  float* oc = o + c * kLanes;
-  switch (vecs - c) {
-    case 3:
-      pv_micro<Rows, 3>(p, ldp, vc, ldv, keys, oc, ldo);
-      break;
-    case 2:
-      pv_micro<Rows, 2>(p, ldp, vc, ldv, keys, oc, ldo);
-      break;
-    case 1:
-      pv_micro<Rows, 1>(p, ldp, vc, ldv, keys, oc, ldo);
-      break;
-    default:
-      break;
-  }
+// O[:, 0 : Vecs*kLanes] (rows x ...) += P (rows x keys) * V[:, 0 : Vecs*kLanes]
+template <int Vecs>
+void pv_columns(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t rows,
+                int64_t keys, float* o, int64_t ldo) {
+  constexpr int kRows = pv_rows_for<Vecs>();
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    pv_micro<kRows, Vecs>(p + r * ldp, ldp, v, ldv, keys, o + r * ldo, ldo);
+  with_count<kRows - 1>(rows - r, [&](auto n) {
+    pv_micro<decltype(n)::value, Vecs>(p + r * ldp, ldp, v, ldv, keys, o + r * ldo, ldo);
+  });
 }
 
-// O (rows x ldo) += P (rows x keys) * V (keys x vecs*kLanes)
+// O (rows x vecs*kLanes) += P (rows x keys) * V (keys x vecs*kLanes)
 void accumulate_pv(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t rows,
                    int64_t keys, int64_t vecs, float* o, int64_t ldo) {
   for (int64_t j0 = 0; j0 < keys; j0 += kPvKeyChunk) {
     const int64_t kc = min_i64(kPvKeyChunk, keys - j0);
-    const float* pj = p + j0;
-    const float* vj = v + j0 * ldv;
-    int64_t r = 0;
-    for (; r + kPvRows <= rows; r += kPvRows)
-      pv_rows<kPvRows>(pj + r * ldp, ldp, vj, ldv, kc, o + r * ldo, ldo, vecs);
-    const float* pr = pj + r * ldp;
-    float* orow = o + r * ldo;
-    switch (rows - r) {
-      case 5:
-        pv_rows<5>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
-        break;
-      case 4:
-        pv_rows<4>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
-        break;
-      case 3:
-        pv_rows<3>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
-        break;
-      case 2:
-        pv_rows<2>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
-        break;
-      case 1:
-        pv_rows<1>(pr, ldp, vj, ldv, kc, orow, ldo, vecs);
-        break;
-      default:
-        break;
+    for (int64_t c = 0; c < vecs; c += kPvMaxVecs) {
+      with_count<kPvMaxVecs>(min_i64(kPvMaxVecs, vecs - c), [&](auto nv) {
+        pv_columns<decltype(nv)::value>(p + j0, ldp, v + j0 * ldv + c * kLanes, ldv, rows, kc,
+                                        o + c * kLanes, ldo);
+      });
     }
   }
 }
@@ -369,31 +353,67 @@ void apply_bounds(const AttentionParams& p, const TileCoords& tc, float* s, int6
   }
 }
 
+// Max over a row of scores, skipping NaN. Four independent chains: a single running max would
+// be bound by the max instruction's latency, not by throughput.
+float row_max_ignoring_nan(const float* row, int64_t columns) {
+  Vec m0 = splat(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= columns; j += 4 * kLanes) {
+    m0 = max_ignoring_nan(load(row + j), m0);
+    m1 = max_ignoring_nan(load(row + j + kLanes), m1);
+    m2 = max_ignoring_nan(load(row + j + 2 * kLanes), m2);
+    m3 = max_ignoring_nan(load(row + j + 3 * kLanes), m3);
+  }
+  for (; j < columns; j += kLanes) m0 = max_ignoring_nan(load(row + j), m0);
+  return reduce_max(max_ignoring_nan(max_ignoring_nan(m0, m1), max_ignoring_nan(m2, m3)));
+}
+
+bool row_has_nan(const float* row, int64_t columns) {
+  for (int64_t j = 0; j < columns; ++j)
+    if (row[j] != row[j]) return true;
+  return false;
+}
+
+// row[j] = exp(row[j] - shift) in place; returns the sum (two chains, as for the max).
+float exp_shifted_in_place(float* row, int64_t columns, float shift_value) {
+  const Vec shift = splat(shift_value);
+  Vec s0 = splat(0.0f), s1 = s0;
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= columns; j += 2 * kLanes) {
+    const Vec e0 = exp_nonpositive(load(row + j) - shift);
+    const Vec e1 = exp_nonpositive(load(row + j + kLanes) - shift);
+    store(row + j, e0);
+    store(row + j + kLanes, e1);
+    s0 += e0;
+    s1 += e1;
+  }
+  for (; j < columns; j += kLanes) {
+    const Vec e = exp_nonpositive(load(row + j) - shift);
+    store(row + j, e);
+    s0 += e;
+  }
+  return reduce_sum(s0 + s1);
+}
+
 // Online softmax update for one tile. Turns scores into probabilities in place, rescales the
 // running output rows by alpha = exp(m_old - m_new) and updates the running max and sum.
 void softmax_update(int64_t rows, int64_t columns, float* s, int64_t lds, float* row_max,
                     float* row_sum, float* o, int64_t ldo, int64_t dv_padded) {
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = s + r * lds;
-    Vec vm = splat(kNegInf);
-    for (int64_t j = 0; j < columns; j += kLanes) vm = vmax(vm, load(srow + j));
-    const float tile_max = reduce_max(vm);
+    const float tile_max = row_max_ignoring_nan(srow, columns);
     const float m_old = row_max[r];
-    // A NaN score (NaN in q or k) must poison the row, as in torch, not read as "all masked".
-    const float m_new = (tile_max > m_old || tile_max != tile_max) ? tile_max : m_old;
-    if (m_new == kNegInf) {  // every key so far is masked: contributes nothing yet
+    const float m_new = tile_max > m_old ? tile_max : m_old;
+    if (m_new == kNegInf) {
+      // Every key so far is masked (contributes nothing yet) or every score is NaN (NaN in q
+      // or k), which must poison the row as in torch rather than read as "masked".
+      if (row_has_nan(srow, columns)) row_sum[r] = __builtin_nanf("");
       for (int64_t j = 0; j < columns; ++j) srow[j] = 0.0f;
       continue;
     }
-    const Vec shift = splat(m_new);
-    Vec vsum = splat(0.0f);
-    for (int64_t j = 0; j < columns; j += kLanes) {
-      const Vec e = exp_nonpositive(load(srow + j) - shift);
-      store(srow + j, e);
-      vsum += e;
-    }
+    const float tile_sum = exp_shifted_in_place(srow, columns, m_new);
     const float alpha = m_old == kNegInf ? 0.0f : exp_scalar(m_old - m_new);
-    row_sum[r] = row_sum[r] * alpha + reduce_sum(vsum);
+    row_sum[r] = row_sum[r] * alpha + tile_sum;
     row_max[r] = m_new;
     if (alpha != 1.0f) {
       float* orow = o + r * ldo;
