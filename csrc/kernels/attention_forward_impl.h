@@ -6,14 +6,22 @@
 // be shared (and silently merged by the linker) between the ISA variants; a ctest
 // (isa_objects_are_self_contained) checks the object files for that.
 //
-// Algorithm (FlashAttention-2 forward, adapted to CPU caches):
+// Algorithm: FlashAttention-2's forward, vectorised along *queries*. A task owns a tile of up
+// to 64 queries of one head and keeps everything transposed, one SIMD lane per query:
+//     Q^T  (head_dim x queries)     scaled by `scale`
+//     S^T  (keys x queries)         = K Q^T for one key tile, then masked, then P^T
+//     O^T  (head_dim_v x queries)   running output
+//     m, l (queries)                running max and sum of the online softmax
+// so the softmax reductions over keys are plain vertical vector ops, the key/value head dims
+// need no padding to the vector width (40, 59, 72, 80 waste no FMA lanes), and K and V are
+// read as ordinary rows (broadcast operands), never transposed.
+//
 //   for a chunk of (batch, kv-head) pairs:
-//     pack K^T into panels [k_tile][d][block_k] and V into rows [key][head_dim_v padded]
-//     parallel over (pair, q-head in GQA group, q tile):
-//       Qs = scale * Q_tile
-//       for each key tile:  S = Qs K^T;  mask/causal;  online softmax (m, l);  O = a*O + P V
+//     pack K and V rows of each pair contiguously (any input strides)
+//     parallel over (pair, q-head of its GQA group, query tile):
+//       for each key tile:  S^T = K Q^T;  mask/causal;  online softmax;  O^T = a*O^T + V^T P^T
 //       out = O / l,  lse = m + log(l)
-// Workspace is O(block_q * block_k + (len_k) * head_dim) per chunk: nothing grows with
+// Workspace: O(block_k * block_q + len_k * head_dim) per chunk; nothing grows with
 // len_q * len_k.
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including attention_forward_impl.h"
@@ -36,33 +44,19 @@ typedef float Vec __attribute__((vector_size(kVecBytes)));
 typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
 typedef uint32_t UVec __attribute__((vector_size(kVecBytes)));
 
-// Register blocking, chosen so accumulators + operands fit the register file (32 vector
-// registers with AVX-512, 16 otherwise).
-// Scores: kScoreRows query rows x kScoreVecs vectors of keys.
-constexpr int kScoreRows = kVecBytes == 64 ? 8 : 6;
-constexpr int kScoreVecs = kVecBytes == 64 ? 3 : 2;
-constexpr int kKeyColumnsAlign = kScoreVecs * kLanes;
-// P*V: up to kPvMaxVecs vectors of the value dim, with as many rows as registers allow.
-constexpr int kPvMaxVecs = kVecBytes == 64 ? 4 : 3;
-template <int Vecs>
-constexpr int pv_rows_for() {
-  if (kVecBytes == 64) return Vecs <= 2 ? 12 : (Vecs == 3 ? 8 : 6);
-  return Vecs == 1 ? 8 : (Vecs == 2 ? 6 : 4);
-}
-constexpr int kPvKeyChunk = 128;  // keys per P*V pass: keeps the V chunk in L1/L2
-
 constexpr float kNegInf = -__builtin_inff();
 
 // Vector helpers must always inline: a call per vector costs more than the work inside.
 #define NPU_ATTN_VEC_INLINE inline __attribute__((always_inline))
 
+// Unaligned, aliasing view of float memory as a vector: plain loads and stores that the
+// compiler keeps in registers (memcpy-based loads into arrays of vectors got spilled).
+typedef float UnalignedVec __attribute__((vector_size(kVecBytes), aligned(4), may_alias));
 NPU_ATTN_VEC_INLINE Vec load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
+  return *reinterpret_cast<const UnalignedVec*>(p);
 }
 NPU_ATTN_VEC_INLINE void store(float* p, Vec v) {
-  __builtin_memcpy(p, &v, sizeof(v));
+  *reinterpret_cast<UnalignedVec*>(p) = v;
 }
 // Lane 0 shuffled to every lane: compiles to one broadcast (often folded into the FMA as a
 // {1toN} memory operand). "Vec{} + x" would be a real add the compiler must keep
@@ -75,29 +69,6 @@ NPU_ATTN_VEC_INLINE Vec splat(float x) {
 // is NaN). Row maxima therefore skip NaN scores; NaN still reaches the output through exp().
 NPU_ATTN_VEC_INLINE Vec max_ignoring_nan(Vec x, Vec acc) {
   return x > acc ? x : acc;
-}
-
-NPU_ATTN_VEC_INLINE float reduce_max(Vec v) {  // lanes are never NaN here
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-NPU_ATTN_VEC_INLINE float reduce_sum(Vec v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-inline int64_t min_i64(int64_t a, int64_t b) {
-  return a < b ? a : b;
-}
-inline int64_t max_i64(int64_t a, int64_t b) {
-  return a > b ? a : b;
-}
-inline int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-inline int64_t ceil_div(int64_t x, int64_t m) {
-  return (x + m - 1) / m;
 }
 
 // exp(x) for x <= 0 (all softmax arguments are <= 0 after subtracting the row max).
@@ -136,31 +107,54 @@ inline float exp_scalar(float x) {
   return __builtin_expf(x);
 }
 
+NPU_ATTN_VEC_INLINE int64_t min_i64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+NPU_ATTN_VEC_INLINE int64_t max_i64(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+NPU_ATTN_VEC_INLINE int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+NPU_ATTN_VEC_INLINE int64_t ceil_div(int64_t x, int64_t m) {
+  return (x + m - 1) / m;
+}
+
+// ---------------------------------------------------------------- blocking
+// Register blocks: kBlockRows broadcast operands (keys for S^T, value channels for O^T) times
+// up to kMaxQueryVecs query vectors. 6 x 4 = 24 accumulators with AVX-512's 32 registers,
+// 6 x 2 = 12 with 16 registers.
+constexpr int kBlockRows = 6;
+constexpr int kMaxQueryVecs = kVecBytes == 64 ? 4 : 2;
+constexpr int kMaxBlockQ = 64;                       // queries per task at most
+constexpr int kTileQueryVecs = kMaxBlockQ / kLanes;  // vectors spanning a full query tile
+constexpr int kPvKeyChunk = 128;  // keys per P*V pass: keeps the S^T and V chunks near L1
+
 // ---------------------------------------------------------------- tiling
 struct Tiling {
-  int64_t block_q;      // query rows per task
-  int64_t block_k;      // keys per tile (multiple of kKeyColumnsAlign)
-  int64_t num_k_tiles;  // ceil(len_k / block_k)
-  int64_t dv_padded;    // head_dim_v rounded up to whole vectors
-  int64_t pair_floats;  // packed K^T + V floats for one (batch, kv-head) pair
+  int64_t block_q;  // queries per task, multiple of kLanes, <= kMaxBlockQ
+  int64_t block_k;  // keys per tile
+  int64_t num_k_tiles;
+  int64_t pair_floats;  // packed K + V floats for one (batch, kv-head) pair
   int64_t pairs_per_chunk;
 };
 
 Tiling choose_tiling(const AttentionParams& p, int threads) {
   Tiling t{};
-  // Key tile: K^T panel (head_dim x block_k) ~ 64 KiB keeps it in L2 next to the V rows.
-  const int64_t by_cache = 16384 / max_i64(p.head_dim, 1);
-  t.block_k = round_up(min_i64(max_i64(by_cache, 64), 512), kKeyColumnsAlign);
-  t.block_k = min_i64(t.block_k, round_up(max_i64(p.len_k, 1), kKeyColumnsAlign));
+  // S^T tile (block_k x block_q floats, 128 KiB) stays in L2 next to the K and V rows.
+  t.block_k = min_i64(512, max_i64(p.len_k, 1));
   t.num_k_tiles = ceil_div(p.len_k, t.block_k);
-  t.dv_padded = round_up(max_i64(p.head_dim_v, 1), kLanes);
-  t.pair_floats = t.num_k_tiles * t.block_k * (p.head_dim + t.dv_padded);
+  t.pair_floats = p.len_k * (p.head_dim + p.head_dim_v);
 
-  // Query tile: 64 rows amortise packing; shrink it when there would be too few tasks to keep
+  // 64 queries amortise streaming K and V; fewer when there would be too few tasks to keep
   // every thread busy (small batch*heads, short sequences).
   const int64_t heads_rows = p.batch * p.heads_q;
-  t.block_q = 64;
-  while (t.block_q > 16 && heads_rows * ceil_div(p.len_q, t.block_q) < 4 * threads) t.block_q /= 2;
+  t.block_q = kMaxBlockQ;
+  while (t.block_q > kLanes && t.block_q > 16 &&
+         heads_rows * ceil_div(p.len_q, t.block_q) < 4 * threads) {
+    t.block_q /= 2;
+  }
+  t.block_q = round_up(t.block_q, kLanes);
 
   // Pack as many pairs at once as fit in a 32 MiB budget: fewer barriers for short sequences,
   // bounded memory for long ones.
@@ -171,35 +165,18 @@ Tiling choose_tiling(const AttentionParams& p, int threads) {
 }
 
 // ---------------------------------------------------------------- packing
-// K^T panel for key tile `tile`: element (d, j) at panel[d * block_k + j]; zero padded.
-void pack_key_panel(const AttentionParams& p, const Tiling& t, const float* k_head, int64_t tile,
-                    float* panel) {
-  const int64_t k0 = tile * t.block_k;
-  const int64_t keys = min_i64(t.block_k, p.len_k - k0);
-  const int64_t sj = p.k_stride[2], sd = p.k_stride[3];
-  for (int64_t d = 0; d < p.head_dim; ++d) {
-    float* dst = panel + d * t.block_k;
-    const float* src = k_head + k0 * sj + d * sd;
-    for (int64_t j = 0; j < keys; ++j) dst[j] = src[j * sj];
-    for (int64_t j = keys; j < t.block_k; ++j) dst[j] = 0.0f;
-  }
-}
-
-// V rows for key tile `tile`: element (j, c) at rows[j * dv_padded + c]; padding columns zero.
-void pack_value_rows(const AttentionParams& p, const Tiling& t, const float* v_head, int64_t tile,
-                     float* rows) {
-  const int64_t k0 = tile * t.block_k;
-  const int64_t keys = min_i64(t.block_k, p.len_k - k0);
-  const int64_t sj = p.v_stride[2], sc = p.v_stride[3];
-  for (int64_t j = 0; j < keys; ++j) {
-    float* dst = rows + j * t.dv_padded;
-    const float* src = v_head + (k0 + j) * sj;
-    if (sc == 1) {
-      for (int64_t c = 0; c < p.head_dim_v; ++c) dst[c] = src[c];
+// Rows [first, first + count) of a (len, dim) matrix with strides (row, col) into dst, which
+// holds rows of exactly `dim` floats.
+void pack_rows(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim, int64_t first,
+               int64_t count, float* dst) {
+  for (int64_t j = first; j < first + count; ++j) {
+    const float* s = src + j * row_stride;
+    float* d = dst + j * dim;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < dim; ++c) d[c] = s[c];
     } else {
-      for (int64_t c = 0; c < p.head_dim_v; ++c) dst[c] = src[c * sc];
+      for (int64_t c = 0; c < dim; ++c) d[c] = s[c * col_stride];
     }
-    for (int64_t c = p.head_dim_v; c < t.dv_padded; ++c) dst[c] = 0.0f;
   }
 }
 
@@ -211,7 +188,7 @@ struct Count {
 
 // Calls fn(Count<n>{}) for a runtime n in [1, Max]: turns a remainder into a template argument.
 template <int Max, typename Fn>
-inline void with_count(int64_t n, Fn&& fn) {
+NPU_ATTN_VEC_INLINE void with_count(int64_t n, Fn&& fn) {
   if constexpr (Max >= 1) {
     if (n == Max) {
       fn(Count<Max>{});
@@ -221,296 +198,240 @@ inline void with_count(int64_t n, Fn&& fn) {
   }
 }
 
-// s[r][0 : kScoreVecs*kLanes] = sum_d q[r][d] * kt[d][0 : kScoreVecs*kLanes]
-template <int Rows>
-void score_micro(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t depth, float* s,
-                 int64_t lds) {
-  Vec acc[Rows][kScoreVecs];
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < kScoreVecs; ++c) acc[r][c] = splat(0.0f);
-  for (int64_t d = 0; d < depth; ++d) {
-    Vec kd[kScoreVecs];
-#pragma GCC unroll 4
-    for (int c = 0; c < kScoreVecs; ++c) kd[c] = load(kt + d * ldk + c * kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const Vec qr = splat(q[r * ldq + d]);
-#pragma GCC unroll 4
-      for (int c = 0; c < kScoreVecs; ++c) acc[r][c] += qr * kd[c];
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < kScoreVecs; ++c) store(s + r * lds + c * kLanes, acc[r][c]);
-}
+// The two products of a key tile share one register-blocked kernel:
+//   kScores:  S^T[j][q] = sum_d K[j][d] * Q^T[d][q]        (starts from zero)
+//   kValues:  O^T[c][q] += sum_j V[j][c] * P^T[j][q]       (accumulates)
+// i.e. acc[r][v] (+)= sum_i A(r, i) * B[i][v-th query vector], with A broadcast from K or V rows
+// and B a row of query vectors. A(r, i) is a[r * a_stride + i] for scores (rows of K) and
+// a[r + i * a_stride] for values (columns of V); making that a compile-time choice keeps the
+// compiler from versioning the loop on the strides.
+enum class Product { kScores, kValues };
 
-template <int Rows>
-void score_rows(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t depth,
-                int64_t columns, float* s, int64_t lds) {
-  for (int64_t j = 0; j < columns; j += kKeyColumnsAlign)
-    score_micro<Rows>(q, ldq, kt + j, ldk, depth, s + j, lds);
-}
-
-// S (rows x columns) = Q (rows x depth) * Kt (depth x columns); columns % kKeyColumnsAlign == 0
-void compute_scores(const float* q, int64_t depth, const float* kt, int64_t ldk, int64_t rows,
-                    int64_t columns, float* s, int64_t lds) {
-  int64_t r = 0;
-  for (; r + kScoreRows <= rows; r += kScoreRows)
-    score_rows<kScoreRows>(q + r * depth, depth, kt, ldk, depth, columns, s + r * lds, lds);
-  with_count<kScoreRows - 1>(rows - r, [&](auto n) {
-    score_rows<decltype(n)::value>(q + r * depth, depth, kt, ldk, depth, columns, s + r * lds, lds);
-  });
-}
-
-// o[r][0 : Vecs*kLanes] += sum_j p[r][j] * v[j][0 : Vecs*kLanes]
-template <int Rows, int Vecs>
-void pv_micro(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t keys, float* o,
-              int64_t ldo) {
+template <Product Kind, int Rows, int Vecs>
+void broadcast_fma_block(const float* a, int64_t a_stride, const float* b, int64_t ldb,
+                         int64_t depth, float* c, int64_t ldc) {
+  constexpr bool kAccumulate = Kind == Product::kValues;
+  const int64_t row_step = kAccumulate ? 1 : a_stride;
+  const int64_t depth_step = kAccumulate ? a_stride : 1;
   Vec acc[Rows][Vecs];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < Vecs; ++c) acc[r][c] = load(o + r * ldo + c * kLanes);
-  for (int64_t j = 0; j < keys; ++j) {
-    Vec vj[Vecs];
+    for (int v = 0; v < Vecs; ++v)
+      acc[r][v] = kAccumulate ? load(c + r * ldc + v * kLanes) : splat(0.0f);
+  for (int64_t i = 0; i < depth; ++i) {
+    Vec bi[Vecs];
 #pragma GCC unroll 4
-    for (int c = 0; c < Vecs; ++c) vj[c] = load(v + j * ldv + c * kLanes);
-#pragma GCC unroll 16
+    for (int v = 0; v < Vecs; ++v) bi[v] = load(b + i * ldb + v * kLanes);
+    const float* ai = a + i * depth_step;
+#pragma GCC unroll 8
     for (int r = 0; r < Rows; ++r) {
-      const Vec pr = splat(p[r * ldp + j]);
+      const Vec ar = splat(ai[r * row_step]);
 #pragma GCC unroll 4
-      for (int c = 0; c < Vecs; ++c) acc[r][c] += pr * vj[c];
+      for (int v = 0; v < Vecs; ++v) acc[r][v] += ar * bi[v];
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < Vecs; ++c) store(o + r * ldo + c * kLanes, acc[r][c]);
+    for (int v = 0; v < Vecs; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-// O[:, 0 : Vecs*kLanes] (rows x ...) += P (rows x keys) * V[:, 0 : Vecs*kLanes]
-template <int Vecs>
-void pv_columns(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t rows,
-                int64_t keys, float* o, int64_t ldo) {
-  constexpr int kRows = pv_rows_for<Vecs>();
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows)
-    pv_micro<kRows, Vecs>(p + r * ldp, ldp, v, ldv, keys, o + r * ldo, ldo);
-  with_count<kRows - 1>(rows - r, [&](auto n) {
-    pv_micro<decltype(n)::value, Vecs>(p + r * ldp, ldp, v, ldv, keys, o + r * ldo, ldo);
-  });
-}
-
-// O (rows x vecs*kLanes) += P (rows x keys) * V (keys x vecs*kLanes)
-void accumulate_pv(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t rows,
-                   int64_t keys, int64_t vecs, float* o, int64_t ldo) {
-  for (int64_t j0 = 0; j0 < keys; j0 += kPvKeyChunk) {
-    const int64_t kc = min_i64(kPvKeyChunk, keys - j0);
-    for (int64_t c = 0; c < vecs; c += kPvMaxVecs) {
-      with_count<kPvMaxVecs>(min_i64(kPvMaxVecs, vecs - c), [&](auto nv) {
-        pv_columns<decltype(nv)::value>(p + j0, ldp, v + j0 * ldv + c * kLanes, ldv, rows, kc,
-                                        o + c * kLanes, ldo);
-      });
-    }
-  }
-}
-
-// ---------------------------------------------------------------- masking and softmax
-struct TileCoords {
-  int64_t batch, head, q0, rows, k0, keys, columns;  // columns = keys rounded up to alignment
-};
-
-void apply_user_mask(const AttentionParams& p, const TileCoords& tc, float* s, int64_t lds) {
-  const int64_t* ms = p.mask_stride;
-  const int64_t base = tc.batch * ms[0] + tc.head * ms[1] + tc.k0 * ms[3];
-  for (int64_t r = 0; r < tc.rows; ++r) {
-    float* srow = s + r * lds;
-    const int64_t row_off = base + (tc.q0 + r) * ms[2];
-    if (p.mask_kind == MaskKind::kAdditive) {
-      const float* m = static_cast<const float*>(p.mask) + row_off;
-      if (ms[3] == 1) {
-        for (int64_t j = 0; j < tc.keys; ++j) srow[j] += m[j];
-      } else {
-        for (int64_t j = 0; j < tc.keys; ++j) srow[j] += m[j * ms[3]];
+// Runs broadcast_fma_block over `rows` x `query_vecs`, choosing block shapes for remainders.
+template <Product Kind>
+void broadcast_fma(const float* a, int64_t a_stride, const float* b, int64_t ldb, int64_t depth,
+                   int64_t rows, int64_t query_vecs, float* c, int64_t ldc) {
+  const int64_t row_step = Kind == Product::kValues ? 1 : a_stride;
+  for (int64_t v0 = 0; v0 < query_vecs; v0 += kMaxQueryVecs) {
+    with_count<kMaxQueryVecs>(min_i64(kMaxQueryVecs, query_vecs - v0), [&](auto vecs) {
+      constexpr int kVecs = decltype(vecs)::value;
+      const float* bv = b + v0 * kLanes;
+      float* cv = c + v0 * kLanes;
+      int64_t r = 0;
+      for (; r + kBlockRows <= rows; r += kBlockRows) {
+        broadcast_fma_block<Kind, kBlockRows, kVecs>(a + r * row_step, a_stride, bv, ldb, depth,
+                                                     cv + r * ldc, ldc);
       }
-    } else {
-      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + row_off;
-      for (int64_t j = 0; j < tc.keys; ++j) srow[j] = m[j * ms[3]] ? srow[j] : kNegInf;
-    }
-  }
-}
-
-// Keys past len_k (padding) and, if causal, keys after the query's own position get -inf.
-void apply_bounds(const AttentionParams& p, const TileCoords& tc, float* s, int64_t lds) {
-  for (int64_t r = 0; r < tc.rows; ++r) {
-    float* srow = s + r * lds;
-    int64_t first_masked = tc.keys;
-    if (p.is_causal) first_masked = min_i64(first_masked, max_i64(0, tc.q0 + r + 1 - tc.k0));
-    for (int64_t j = first_masked; j < tc.columns; ++j) srow[j] = kNegInf;
-  }
-}
-
-// Max over a row of scores, skipping NaN. Four independent chains: a single running max would
-// be bound by the max instruction's latency, not by throughput.
-float row_max_ignoring_nan(const float* row, int64_t columns) {
-  Vec m0 = splat(kNegInf), m1 = m0, m2 = m0, m3 = m0;
-  int64_t j = 0;
-  for (; j + 4 * kLanes <= columns; j += 4 * kLanes) {
-    m0 = max_ignoring_nan(load(row + j), m0);
-    m1 = max_ignoring_nan(load(row + j + kLanes), m1);
-    m2 = max_ignoring_nan(load(row + j + 2 * kLanes), m2);
-    m3 = max_ignoring_nan(load(row + j + 3 * kLanes), m3);
-  }
-  for (; j < columns; j += kLanes) m0 = max_ignoring_nan(load(row + j), m0);
-  return reduce_max(max_ignoring_nan(max_ignoring_nan(m0, m1), max_ignoring_nan(m2, m3)));
-}
-
-bool row_has_nan(const float* row, int64_t columns) {
-  for (int64_t j = 0; j < columns; ++j)
-    if (row[j] != row[j]) return true;
-  return false;
-}
-
-// row[j] = exp(row[j] - shift) in place; returns the sum (two chains, as for the max).
-float exp_shifted_in_place(float* row, int64_t columns, float shift_value) {
-  const Vec shift = splat(shift_value);
-  Vec s0 = splat(0.0f), s1 = s0;
-  int64_t j = 0;
-  for (; j + 2 * kLanes <= columns; j += 2 * kLanes) {
-    const Vec e0 = exp_nonpositive(load(row + j) - shift);
-    const Vec e1 = exp_nonpositive(load(row + j + kLanes) - shift);
-    store(row + j, e0);
-    store(row + j + kLanes, e1);
-    s0 += e0;
-    s1 += e1;
-  }
-  for (; j < columns; j += kLanes) {
-    const Vec e = exp_nonpositive(load(row + j) - shift);
-    store(row + j, e);
-    s0 += e;
-  }
-  return reduce_sum(s0 + s1);
-}
-
-// Online softmax update for one tile. Turns scores into probabilities in place, rescales the
-// running output rows by alpha = exp(m_old - m_new) and updates the running max and sum.
-void softmax_update(int64_t rows, int64_t columns, float* s, int64_t lds, float* row_max,
-                    float* row_sum, float* o, int64_t ldo, int64_t dv_padded) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* srow = s + r * lds;
-    const float tile_max = row_max_ignoring_nan(srow, columns);
-    const float m_old = row_max[r];
-    const float m_new = tile_max > m_old ? tile_max : m_old;
-    if (m_new == kNegInf) {
-      // Every key so far is masked (contributes nothing yet) or every score is NaN (NaN in q
-      // or k), which must poison the row as in torch rather than read as "masked".
-      if (row_has_nan(srow, columns)) row_sum[r] = __builtin_nanf("");
-      for (int64_t j = 0; j < columns; ++j) srow[j] = 0.0f;
-      continue;
-    }
-    const float tile_sum = exp_shifted_in_place(srow, columns, m_new);
-    const float alpha = m_old == kNegInf ? 0.0f : exp_scalar(m_old - m_new);
-    row_sum[r] = row_sum[r] * alpha + tile_sum;
-    row_max[r] = m_new;
-    if (alpha != 1.0f) {
-      float* orow = o + r * ldo;
-      const Vec va = splat(alpha);
-      for (int64_t c = 0; c < dv_padded; c += kLanes) store(orow + c, load(orow + c) * va);
-    }
+      with_count<kBlockRows - 1>(rows - r, [&](auto n) {
+        broadcast_fma_block<Kind, decltype(n)::value, kVecs>(a + r * row_step, a_stride, bv, ldb,
+                                                             depth, cv + r * ldc, ldc);
+      });
+    });
   }
 }
 
 // ---------------------------------------------------------------- one task
 struct ThreadScratch {
-  float* q;  // block_q x head_dim, scaled
-  float* s;  // block_q x block_k
-  float* o;  // block_q x dv_padded
-  float* m;  // block_q
-  float* l;  // block_q
+  float* qt;  // head_dim x block_q: scaled Q^T, zero in padding lanes
+  float* st;  // block_k x block_q: S^T, then P^T
+  float* ot;  // head_dim_v x block_q: running O^T
+  float* m;   // block_q: running max
+  float* l;   // block_q: running sum
 };
 
 int64_t scratch_floats(const AttentionParams& p, const Tiling& t) {
-  return round_up(t.block_q * max_i64(p.head_dim, 1), 16) + t.block_q * t.block_k +
-         t.block_q * t.dv_padded + 2 * round_up(t.block_q, 16);
+  return t.block_q * (p.head_dim + t.block_k + p.head_dim_v + 2);
 }
 
-// Carves one thread's scratch out of `base` (scratch_floats(p, t) floats, 64-byte aligned).
 ThreadScratch carve_scratch(const AttentionParams& p, const Tiling& t, float* base) {
   ThreadScratch ws{};
-  ws.q = base;
-  ws.s = ws.q + round_up(t.block_q * max_i64(p.head_dim, 1), 16);
-  ws.o = ws.s + t.block_q * t.block_k;
-  ws.m = ws.o + t.block_q * t.dv_padded;
-  ws.l = ws.m + round_up(t.block_q, 16);
+  ws.qt = base;
+  ws.st = ws.qt + p.head_dim * t.block_q;
+  ws.ot = ws.st + t.block_k * t.block_q;
+  ws.m = ws.ot + p.head_dim_v * t.block_q;
+  ws.l = ws.m + t.block_q;
   return ws;
 }
 
-void load_scaled_queries(const AttentionParams& p, const float* q_head, int64_t q0, int64_t rows,
-                         float* dst) {
+struct QueryTile {
+  int64_t batch, head, q0, rows, vecs;  // vecs = ceil(rows / kLanes)
+};
+
+void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& qt_tile,
+                                    const Tiling& t, float* qt) {
+  const float* q_head = p.q + qt_tile.batch * p.q_stride[0] + qt_tile.head * p.q_stride[1];
   const int64_t si = p.q_stride[2], sd = p.q_stride[3];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q_head + (q0 + r) * si;
-    float* d = dst + r * p.head_dim;
-    for (int64_t c = 0; c < p.head_dim; ++c) d[c] = src[c * sd] * p.scale;
+  const int64_t lanes = qt_tile.vecs * kLanes;
+  for (int64_t d = 0; d < p.head_dim; ++d) {
+    float* row = qt + d * t.block_q;
+    const float* src = q_head + (qt_tile.q0) * si + d * sd;
+    for (int64_t i = 0; i < qt_tile.rows; ++i) row[i] = src[i * si] * p.scale;
+    for (int64_t i = qt_tile.rows; i < lanes; ++i) row[i] = 0.0f;
   }
 }
 
-void write_output(const AttentionParams& p, const TileCoords& tc, const ThreadScratch& ws,
-                  int64_t dv_padded) {
-  float* out_head = p.out + tc.batch * p.out_stride[0] + tc.head * p.out_stride[1];
-  for (int64_t r = 0; r < tc.rows; ++r) {
-    const float l = ws.l[r];
-    // Rows with every key masked have l == 0: output 0 like torch's SDPA, lse = -inf.
+// Adds the user's mask to S^T (keys x queries) for keys [k0, k0 + keys).
+void apply_user_mask(const AttentionParams& p, const QueryTile& tile, int64_t k0, int64_t keys,
+                     float* st, int64_t ldst) {
+  const int64_t* ms = p.mask_stride;
+  const int64_t base = tile.batch * ms[0] + tile.head * ms[1] + tile.q0 * ms[2];
+  for (int64_t j = 0; j < keys; ++j) {
+    float* row = st + j * ldst;
+    const int64_t off = base + (k0 + j) * ms[3];
+    if (p.mask_kind == MaskKind::kAdditive) {
+      const float* m = static_cast<const float*>(p.mask) + off;
+      if (ms[2] == 0) {  // broadcast over queries (key padding masks): one value per key
+        const Vec mv = splat(m[0]);
+        for (int64_t i = 0; i < tile.vecs * kLanes; i += kLanes) store(row + i, load(row + i) + mv);
+      } else {
+        for (int64_t i = 0; i < tile.rows; ++i) row[i] += m[i * ms[2]];
+      }
+    } else {
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + off;
+      if (ms[2] == 0) {
+        if (!m[0]) {
+          for (int64_t i = 0; i < tile.vecs * kLanes; ++i) row[i] = kNegInf;
+        }
+      } else {
+        for (int64_t i = 0; i < tile.rows; ++i) row[i] = m[i * ms[2]] ? row[i] : kNegInf;
+      }
+    }
+  }
+}
+
+// Causal (top-left): query q0+i sees key k iff k <= q0+i, so key row k hides queries < k-q0.
+void apply_causal(const QueryTile& tile, int64_t k0, int64_t keys, float* st, int64_t ldst) {
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t hidden = min_i64(tile.vecs * kLanes, k0 + j - tile.q0);
+    float* row = st + j * ldst;
+    for (int64_t i = 0; i < hidden; ++i) row[i] = kNegInf;
+  }
+}
+
+// Online softmax over one key tile of S^T, one lane per query, turning S^T into P^T in place
+// and rescaling the running O^T and sum by alpha = exp(m_old - m_new). Templated on the number
+// of query vectors so the per-vector state lives in registers.
+template <int Vecs>
+void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, ThreadScratch& ws) {
+  const int64_t ld = t.block_q;
+  Vec m_tile[Vecs], shift[Vecs], sum[Vecs];
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) m_tile[v] = splat(kNegInf);
+  // Max over keys, skipping NaN (a NaN score still reaches the output through exp).
+  for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < Vecs; ++v)
+      m_tile[v] = max_ignoring_nan(load(ws.st + j * ld + v * kLanes), m_tile[v]);
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) {
+    const Vec m_old = load(ws.m + v * kLanes);
+    const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
+    // Queries whose keys are all masked so far have m = -inf; shifting by 0 keeps their
+    // probabilities exactly 0 (exp(-inf)) instead of NaN (exp(-inf - -inf)).
+    shift[v] = m_new == kNegInf ? splat(0.0f) : m_new;
+    const Vec alpha = exp_nonpositive(m_old - shift[v]);
+    store(ws.m + v * kLanes, m_new);
+    store(ws.l + v * kLanes, load(ws.l + v * kLanes) * alpha);
+    for (int64_t c = 0; c < p.head_dim_v; ++c) {
+      float* o = ws.ot + c * ld + v * kLanes;
+      store(o, load(o) * alpha);
+    }
+    sum[v] = splat(0.0f);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < Vecs; ++v) {
+      float* s = ws.st + j * ld + v * kLanes;
+      const Vec e = exp_nonpositive(load(s) - shift[v]);
+      store(s, e);
+      sum[v] += e;
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) store(ws.l + v * kLanes, load(ws.l + v * kLanes) + sum[v]);
+}
+
+void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
+                  const ThreadScratch& ws) {
+  float* out_head = p.out + tile.batch * p.out_stride[0] + tile.head * p.out_stride[1];
+  const int64_t sc = p.out_stride[3];
+  for (int64_t i = 0; i < tile.rows; ++i) {
+    const float l = ws.l[i];
+    // Queries with every key masked have l == 0: output 0 like torch's SDPA, lse = -inf.
     const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-    const float* orow = ws.o + r * dv_padded;
-    float* dst = out_head + (tc.q0 + r) * p.out_stride[2];
-    const int64_t sc = p.out_stride[3];
-    for (int64_t c = 0; c < p.head_dim_v; ++c) dst[c * sc] = orow[c] * inv;
+    float* dst = out_head + (tile.q0 + i) * p.out_stride[2];
+    for (int64_t c = 0; c < p.head_dim_v; ++c) dst[c * sc] = ws.ot[c * t.block_q + i] * inv;
     if (p.lse != nullptr) {
-      float* lse = p.lse + tc.batch * p.lse_stride[0] + tc.head * p.lse_stride[1];
-      lse[(tc.q0 + r) * p.lse_stride[2]] = l == 0.0f ? kNegInf : ws.m[r] + __builtin_logf(l);
+      float* lse = p.lse + tile.batch * p.lse_stride[0] + tile.head * p.lse_stride[1];
+      lse[(tile.q0 + i) * p.lse_stride[2]] = l == 0.0f ? kNegInf : ws.m[i] + __builtin_logf(l);
     }
   }
 }
 
 void run_query_tile(const AttentionParams& p, const Tiling& t, const float* packed_pair,
-                    int64_t batch, int64_t head, int64_t q0, ThreadScratch& ws) {
-  TileCoords tc{};
-  tc.batch = batch;
-  tc.head = head;
-  tc.q0 = q0;
-  tc.rows = min_i64(t.block_q, p.len_q - q0);
-  const float* q_head = p.q + batch * p.q_stride[0] + head * p.q_stride[1];
-  load_scaled_queries(p, q_head, q0, tc.rows, ws.q);
-  for (int64_t r = 0; r < tc.rows; ++r) {
-    ws.m[r] = kNegInf;
-    ws.l[r] = 0.0f;
+                    const QueryTile& tile, ThreadScratch& ws) {
+  const int64_t ld = t.block_q;
+  load_scaled_queries_transposed(p, tile, t, ws.qt);
+  for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
+    ws.m[i] = kNegInf;
+    ws.l[i] = 0.0f;
   }
-  for (int64_t i = 0; i < tc.rows * t.dv_padded; ++i) ws.o[i] = 0.0f;
+  for (int64_t c = 0; c < p.head_dim_v; ++c)
+    for (int64_t i = 0; i < tile.vecs * kLanes; ++i) ws.ot[c * ld + i] = 0.0f;
 
-  // Causal: keys after the tile's last query are masked for every row; skip those tiles.
-  int64_t key_limit = p.len_k;
-  if (p.is_causal) key_limit = min_i64(key_limit, q0 + tc.rows);
-  const float* key_panels = packed_pair;
-  const float* value_rows = packed_pair + t.num_k_tiles * t.block_k * p.head_dim;
-  for (int64_t tile = 0; tile * t.block_k < key_limit; ++tile) {
-    tc.k0 = tile * t.block_k;
-    tc.keys = min_i64(t.block_k, p.len_k - tc.k0);
-    tc.columns = round_up(tc.keys, kKeyColumnsAlign);
-    const float* kt = key_panels + tile * t.block_k * p.head_dim;
-    compute_scores(ws.q, p.head_dim, kt, t.block_k, tc.rows, tc.columns, ws.s, t.block_k);
-    if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tc, ws.s, t.block_k);
-    apply_bounds(p, tc, ws.s, t.block_k);
-    softmax_update(tc.rows, tc.columns, ws.s, t.block_k, ws.m, ws.l, ws.o, t.dv_padded,
-                   t.dv_padded);
-    const float* vt = value_rows + tc.k0 * t.dv_padded;
-    accumulate_pv(ws.s, t.block_k, vt, t.dv_padded, tc.rows, tc.keys, t.dv_padded / kLanes, ws.o,
-                  t.dv_padded);
+  const float* k_rows = packed_pair;
+  const float* v_rows = packed_pair + p.len_k * p.head_dim;
+  // Causal: keys after the tile's last query are hidden from every query in it.
+  const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
+  for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
+    const int64_t keys = min_i64(t.block_k, key_limit - k0);
+    // S^T (keys x queries) = K_tile (keys x D) * Q^T (D x queries)
+    broadcast_fma<Product::kScores>(k_rows + k0 * p.head_dim, p.head_dim, ws.qt, ld, p.head_dim,
+                                    keys, tile.vecs, ws.st, ld);
+    if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
+    if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
+    with_count<kTileQueryVecs>(
+        tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, t, keys, ws); });
+    // O^T (Dv x queries) += V_tile^T (Dv x keys) * P^T (keys x queries), in L1-sized key chunks
+    for (int64_t j0 = 0; j0 < keys; j0 += kPvKeyChunk) {
+      const int64_t chunk = min_i64(kPvKeyChunk, keys - j0);
+      broadcast_fma<Product::kValues>(v_rows + (k0 + j0) * p.head_dim_v, p.head_dim_v,
+                                      ws.st + j0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.ot,
+                                      ld);
+    }
   }
-  write_output(p, tc, ws, t.dv_padded);
+  write_output(p, tile, t, ws);
 }
 
 // ---------------------------------------------------------------- driver
@@ -518,11 +439,11 @@ void attention_forward_tiled(const AttentionParams& p) {
   if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t pairs = p.batch * p.heads_kv;
-  const int64_t q_tiles_probe = ceil_div(p.len_q, 16);
-  const int64_t max_tasks = p.batch * p.heads_q * q_tiles_probe;
+  const int64_t max_tasks = p.batch * p.heads_q * ceil_div(p.len_q, kLanes);
   const int threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_tasks));
   const Tiling t = choose_tiling(p, threads);
   const int64_t q_tiles = ceil_div(p.len_q, t.block_q);
+
   // All workspace is allocated here, outside the parallel region, so an allocation failure
   // surfaces as std::bad_alloc to the caller instead of terminating inside OpenMP.
   const int64_t chunk_floats = t.pairs_per_chunk * t.pair_floats;
@@ -541,29 +462,33 @@ void attention_forward_tiled(const AttentionParams& p) {
     ThreadScratch ws = carve_scratch(p, t, scratch + per_thread * omp_get_thread_num());
     for (int64_t first = 0; first < pairs; first += t.pairs_per_chunk) {
       const int64_t chunk_pairs = min_i64(t.pairs_per_chunk, pairs - first);
-      // Phase 1: pack K^T panels and V rows of every pair in the chunk, tile by tile.
+      // Phase 1: pack the K and V rows of every pair in the chunk, tile by tile.
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < chunk_pairs * t.num_k_tiles; ++item) {
         const int64_t local = item / t.num_k_tiles, tile = item % t.num_k_tiles;
         const int64_t pair = first + local;
         const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
-        float* dst = packed + local * t.pair_floats;
-        const float* k_head = p.k + b * p.k_stride[0] + hkv * p.k_stride[1];
-        const float* v_head = p.v + b * p.v_stride[0] + hkv * p.v_stride[1];
-        pack_key_panel(p, t, k_head, tile, dst + tile * t.block_k * p.head_dim);
-        float* v_rows = dst + t.num_k_tiles * t.block_k * p.head_dim;
-        pack_value_rows(p, t, v_head, tile, v_rows + tile * t.block_k * t.dv_padded);
+        const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
+        float* k_rows = packed + local * t.pair_floats;
+        float* v_rows = k_rows + p.len_k * p.head_dim;
+        pack_rows(p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2], p.k_stride[3],
+                  p.head_dim, k0, count, k_rows);
+        pack_rows(p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2], p.v_stride[3],
+                  p.head_dim_v, k0, count, v_rows);
       }
-      // Phase 2: every (pair, q-head of its group, q tile) is an independent task.
+      // Phase 2: every (pair, q-head of its group, query tile) is an independent task.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < chunk_pairs * group * q_tiles; ++task) {
         const int64_t local = task / (group * q_tiles);
         const int64_t rest = task % (group * q_tiles);
         const int64_t pair = first + local;
-        const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
-        const int64_t head = hkv * group + rest / q_tiles;
-        const int64_t q0 = (rest % q_tiles) * t.block_q;
-        run_query_tile(p, t, packed + local * t.pair_floats, b, head, q0, ws);
+        QueryTile tile{};
+        tile.batch = pair / p.heads_kv;
+        tile.head = (pair % p.heads_kv) * group + rest / q_tiles;
+        tile.q0 = (rest % q_tiles) * t.block_q;
+        tile.rows = min_i64(t.block_q, p.len_q - tile.q0);
+        tile.vecs = ceil_div(tile.rows, kLanes);
+        run_query_tile(p, t, packed + local * t.pair_floats, tile, ws);
       }
     }
   }
