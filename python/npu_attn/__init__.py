@@ -22,13 +22,44 @@ from .functional import scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
+# The diffusers integration needs torch; import it on first use so that NumPy-only users of the
+# kernel do not pay for (or need) torch.
+_LAZY = {
+    "set_attention_strategy": "diffusers_integration",
+    "reset_attention_strategy": "diffusers_integration",
+    "default_strategy": "diffusers_integration",
+    "attention_strategy_of": "diffusers_integration",
+    "STRATEGIES": "strategies",
+    "auto_selector": "strategies",
+    "call_counts": "strategies",
+    "reset_call_counts": "strategies",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'npu_attn' has no attribute {name!r}")
+
+
 __all__ = [
+    "STRATEGIES",
     "__version__",
     "active_isa",
+    "attention_strategy_of",
+    "auto_selector",
     "available_isas",
     "build_info",
+    "call_counts",
+    "default_strategy",
     "get_num_threads",
+    "reset_attention_strategy",
+    "reset_call_counts",
     "scaled_dot_product_attention",
+    "set_attention_strategy",
     "set_isa",
     "set_num_threads",
     "workspace_stats",

@@ -93,6 +93,18 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
             f"attn_mask must be bool or have the query's dtype ({query.dtype}), "
             f"got {attn_mask.dtype}"
         )
+    result_dtype = query.dtype
+    if query.dtype in (torch.float16, torch.bfloat16):
+        # Portable low-precision path: compute in float32 (O(L*D) conversion copies, exact
+        # fp32 accumulation), return the input dtype.
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            raise TypeError(
+                f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, "
+                f"{value.dtype}"
+            )
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
 
     squeeze = query.dim() == 3
     q = _as_4d("query", query, query.dim())
@@ -123,6 +135,8 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     if squeeze:
         out = out[0]
         lse = None if lse is None else lse[0]
+    if out.dtype != result_dtype:
+        out = out.to(result_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -194,8 +208,9 @@ def scaled_dot_product_attention(
     Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does. NaN and Inf
     in the inputs propagate as in the math reference.
 
-    Accepts CPU torch tensors (returns a torch tensor) or NumPy arrays (returns NumPy). Only
-    float32 is supported by the kernel in this version.
+    Accepts CPU torch tensors (returns a torch tensor) or NumPy arrays (returns NumPy).
+    float32 runs natively; float16 and bfloat16 tensors are computed in float32 and returned in
+    their own dtype; other dtypes raise TypeError.
 
     Args:
         return_lse: also return the per-row log-sum-exp of the scaled, masked scores,

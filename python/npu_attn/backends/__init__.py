@@ -1,0 +1,1 @@
+"""Device backends reached through strategies (see :mod:`npu_attn.strategies`)."""

@@ -1,0 +1,92 @@
+"""Ascend NPU attention through ``torch_npu.npu_fusion_attention``.
+
+UNVERIFIED ON HARDWARE: no NPU exists where npu_attn is developed. The translation of SDPA
+arguments below is tested against a stand-in ``torch_npu`` module at this call boundary
+(tests/py/test_npu_backend.py); the semantics follow the torch_npu documentation and what
+diffusers itself sends (see shared/reference/FACTS.md section 4):
+
+- layout: SDPA's (B, H, S, D) is ``input_layout="BNSD"``; ``head_num`` is H.
+- ``atten_mask`` marks *masked* positions (True = do not attend), the inverse of torch's bool
+  mask; it is given as (B or 1, 1 or H, Lq, Lk). Causal (top-left) adds the strict upper
+  triangle. Float (additive) masks go in ``pse``, the additive bias input.
+- ``keep_prob = 1 - dropout_p``; ``scale`` defaults to 1/sqrt(D); pre/next tokens 65536 as
+  diffusers uses.
+- The fused kernel takes fp16/bf16 only: fp32 calls go to torch's SDPA, as diffusers does.
+- Grouped-query attention repeats K/V heads to the query's head count.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+
+import torch
+
+from .. import _redirect
+
+
+def unavailable_reason(device_type: str) -> str | None:
+    """Why the NPU path cannot serve a model on ``device_type`` (None: it can)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch_npu is not installed (Ascend NPU support)"
+    if device_type != "npu":
+        return f"the npu strategy needs the model on an Ascend NPU; it is on {device_type}"
+    return None
+
+
+def _masked_positions(attn_mask, is_causal, batch, heads, len_q, len_k, device):
+    """torch semantics (True = attend / additive) -> torch_npu's (True = masked), 4-D."""
+    masked = None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        mask = attn_mask
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        masked = ~mask.expand(batch if mask.shape[0] != 1 else 1, mask.shape[1], len_q, len_k)
+    if is_causal:
+        upper = torch.ones(len_q, len_k, dtype=torch.bool, device=device).triu(1)
+        upper = upper.view(1, 1, len_q, len_k)
+        masked = upper if masked is None else (masked | upper)
+    return masked
+
+
+def fusion_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """SDPA semantics on torch_npu's fused kernel (see module docstring)."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return _redirect.original_sdpa()(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    torch_npu = importlib.import_module("torch_npu")
+    batch, heads, len_q, head_dim = query.shape
+    len_k = key.shape[-2]
+    if key.shape[1] != heads:
+        repeat = heads // key.shape[1]
+        key = key.repeat_interleave(repeat, dim=1)
+        value = value.repeat_interleave(repeat, dim=1)
+    pse = None
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        pse = attn_mask.to(query.dtype).expand(batch, heads, len_q, len_k)
+    masked = _masked_positions(attn_mask, is_causal, batch, heads, len_q, len_k, query.device)
+    outputs = torch_npu.npu_fusion_attention(
+        query,
+        key,
+        value,
+        heads,
+        input_layout="BNSD",
+        pse=pse,
+        atten_mask=masked,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        keep_prob=1.0 - float(dropout_p),
+        pre_tockens=65536,
+        next_tockens=65536,
+    )
+    return outputs[0]

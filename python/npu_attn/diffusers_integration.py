@@ -1,0 +1,268 @@
+"""``set_attention_strategy``: switch a diffusers pipeline or model between attention strategies.
+
+Design: npu_attn does not re-implement diffusers' processors. It wraps each attention module's
+*own* processor in a thin ``StrategyProcessor`` that runs it unchanged while routing its
+``scaled_dot_product_attention`` call to the chosen strategy (see :mod:`npu_attn._redirect`).
+So every step diffusers performs (group/spatial norm, 4-D inputs, ``prepare_attention_mask``,
+``norm_cross``, RoPE, QK norms, joint text+image attention, residual, rescale, tuple returns)
+is exactly diffusers' own code, for the UNet, VAE, SD3, Flux, HiDream and models added later;
+only the attention product itself changes. The one exception is ``vanilla`` on classic
+``Attention`` modules, which installs diffusers' own ``AttnProcessor`` (its explicit
+matmul-softmax-matmul processor); elsewhere ``vanilla`` is the same matmul-softmax-matmul
+computation reached through the redirect.
+
+Attention modules are found by walking ``model.modules()`` for objects with a ``processor``
+and ``set_processor`` (HiDream has no model-level ``set_attn_processor``). The original
+processor objects are remembered on first use and restored exactly by
+:func:`reset_attention_strategy`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from . import _redirect, strategies
+
+logger = logging.getLogger("npu_attn")
+
+_ORIGINALS_ATTR = "_npu_attn_original_processors"
+_default_strategy: Optional[str] = None
+_alias_noted = False
+
+
+# --------------------------------------------------------------------------- defaults
+def default_strategy() -> str:
+    """The strategy used when none is given: set by ``set_attention_strategy(None, s)``, else
+    ``NPU_ATTN_STRATEGY``, else ``DIFFUSERS_ATTENTION_TYPE`` (the seeds' variable, which
+    diffusers itself ignores), else ``"auto"``."""
+    global _alias_noted
+    if _default_strategy is not None:
+        return _default_strategy
+    env = os.environ.get("NPU_ATTN_STRATEGY")
+    if env:
+        return env.strip().lower()
+    alias = os.environ.get("DIFFUSERS_ATTENTION_TYPE")
+    if alias:
+        if not _alias_noted:
+            _alias_noted = True
+            logger.warning(
+                "npu_attn: honouring DIFFUSERS_ATTENTION_TYPE=%s. Note that diffusers itself never "
+                "reads this variable; npu_attn does. Prefer NPU_ATTN_STRATEGY.",
+                alias,
+            )
+        return alias.strip().lower()
+    return "auto"
+
+
+# --------------------------------------------------------------------------- processors
+class StrategyProcessor:
+    """Runs a model's own attention processor with its SDPA call routed to a strategy.
+
+    Attribute access falls through to the wrapped processor, and ``__call__`` advertises the
+    wrapped processor's signature (diffusers filters ``cross_attention_kwargs`` by it).
+    """
+
+    def __init__(self, inner: Any, strategy: str) -> None:
+        self.inner = inner
+        self.strategy = strategy
+        self._sdpa = strategies.RUNNERS[strategy]
+
+    def _run(self, *args, **kwargs):
+        with _redirect.redirected(self._sdpa):
+            return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
+
+
+class StrategyModuleProcessor(torch.nn.Module):
+    """``StrategyProcessor`` for processors that are ``nn.Module``s (e.g. IP-Adapter ones):
+    keeps their weights registered, so ``.to(device)`` and ``state_dict`` still reach them."""
+
+    def __init__(self, inner: torch.nn.Module, strategy: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.strategy = strategy
+        self._sdpa = strategies.RUNNERS[strategy]
+
+    def _run(self, *args, **kwargs):
+        with _redirect.redirected(self._sdpa):
+            return self.inner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
+
+
+@functools.cache
+def _wrapper_class(inner_cls: type) -> type:
+    """A StrategyProcessor subclass whose ``__call__`` has ``inner_cls.__call__``'s signature."""
+    base = StrategyModuleProcessor if issubclass(inner_cls, torch.nn.Module) else StrategyProcessor
+
+    def __call__(self, *args, **kwargs):
+        return self._run(*args, **kwargs)
+
+    __call__.__signature__ = inspect.signature(inner_cls.__call__)
+    __call__.__doc__ = f"{inner_cls.__name__}.__call__ with SDPA routed to the strategy."
+    return type(f"Npu{inner_cls.__name__}", (base,), {"__call__": __call__})
+
+
+def _wrap(processor: Any, strategy: str):
+    return _wrapper_class(type(processor))(processor, strategy)
+
+
+def _uses_matmul_processor(processor: Any) -> bool:
+    from diffusers.models.attention_processor import AttnProcessor
+
+    return type(processor) is AttnProcessor
+
+
+def _processor_for(module: Any, original: Any, strategy: str):
+    from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+
+    classic = type(module) is Attention
+    if strategy == "vanilla" and classic and type(original) is AttnProcessor2_0:
+        return AttnProcessor()  # diffusers' own explicit matmul-softmax-matmul processor
+    if _uses_matmul_processor(original):
+        if strategy == "vanilla":
+            return original
+        original = AttnProcessor2_0()  # the SDPA form of the same processor, so it can redirect
+    return _wrap(original, strategy)
+
+
+# --------------------------------------------------------------------------- targets
+def _attention_modules(model: torch.nn.Module):
+    for name, module in model.named_modules():
+        if hasattr(module, "set_processor") and hasattr(module, "processor"):
+            yield name, module
+
+
+def _models_of(target: Any) -> dict[str, torch.nn.Module]:
+    """Named models of a pipeline (its nn.Module components) or a single model."""
+    if isinstance(target, torch.nn.Module):
+        return {type(target).__name__: target}
+    components = getattr(target, "components", None)
+    if isinstance(components, dict):
+        return {k: v for k, v in components.items() if isinstance(v, torch.nn.Module)}
+    raise TypeError(
+        "target must be a diffusers pipeline, a torch.nn.Module (e.g. a UNet or transformer) or "
+        f"None, got {type(target).__name__}"
+    )
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _resolved_name(strategy: str, device: torch.device) -> str:
+    """What ``auto`` amounts to on a device (for reporting)."""
+    if strategy != "auto":
+        return strategy
+    if device.type == "cpu":
+        return "auto"  # measured per attention shape on first use
+    return "npu" if strategies.unavailable_reason("npu", device) is None else "sdpa"
+
+
+def _apply_to_model(name: str, model: torch.nn.Module, strategy: str) -> int:
+    modules = list(_attention_modules(model))
+    if not modules:
+        return 0
+    originals = getattr(model, _ORIGINALS_ATTR, None)
+    if originals is None:
+        originals = {n: m.processor for n, m in modules}
+        object.__setattr__(model, _ORIGINALS_ATTR, originals)  # not a submodule/parameter
+    for module_name, module in modules:
+        original = originals.get(module_name, module.processor)
+        module.set_processor(_processor_for(module, original, strategy))
+    return len(modules)
+
+
+def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, **options) -> str:
+    """Switch attention for a pipeline, a model, or (``target=None``) the default.
+
+    Args:
+        target: a diffusers pipeline (every model component is switched), a model such as a
+            ``UNet2DConditionModel``, ``SD3Transformer2DModel``, ``FluxTransformer2DModel`` or
+            ``HiDreamImageTransformer2DModel``, or ``None`` to set the default strategy used for
+            models switched later without a strategy and by
+            :func:`npu_attn.scaled_dot_product_attention`'s callers of ``strategy="default"``.
+        strategy: ``"vanilla"``, ``"sdpa"``, ``"tiled"``, ``"npu"`` or ``"auto"``; ``None``
+            uses :func:`default_strategy`.
+        options: reserved; unknown options raise ``TypeError``.
+
+    Returns:
+        The strategy applied (for ``auto`` on an accelerator, what it resolved to).
+
+    Raises:
+        ValueError: unknown strategy, or one unavailable for the model's device (the message
+            lists the valid ones and why this one cannot run).
+    """
+    global _default_strategy
+    if options:
+        raise TypeError(f"set_attention_strategy got unexpected options: {sorted(options)}")
+    chosen = (strategy or default_strategy()).strip().lower()
+    if target is None:
+        strategies.check_strategy(chosen)
+        _default_strategy = chosen
+        logger.info("npu_attn: default attention strategy set to %s", chosen)
+        return chosen
+
+    models = _models_of(target)
+    devices = {n: _model_device(m) for n, m in models.items()}
+    for device in devices.values():  # validate everything before changing anything
+        strategies.check_strategy(chosen, device)
+    _redirect.install()
+    applied = []
+    for name, model in models.items():
+        count = _apply_to_model(name, model, chosen)
+        if count:
+            resolved = _resolved_name(chosen, devices[name])
+            applied.append(resolved)
+            logger.info("npu_attn: %s: %d attention processors -> %s", name, count, resolved)
+    if not applied:
+        raise ValueError(f"{type(target).__name__} has no attention modules to switch")
+    return applied[0] if len(set(applied)) == 1 else ",".join(sorted(set(applied)))
+
+
+def reset_attention_strategy(target: Any = None) -> None:
+    """Restore the processors a pipeline/model had before npu_attn touched it (the same
+    objects). ``None`` resets the default strategy instead."""
+    global _default_strategy
+    if target is None:
+        _default_strategy = None
+        return
+    for model in _models_of(target).values():
+        originals = getattr(model, _ORIGINALS_ATTR, None)
+        if originals is None:
+            continue
+        for module_name, module in _attention_modules(model):
+            if module_name in originals:
+                module.set_processor(originals[module_name])
+        object.__delattr__(model, _ORIGINALS_ATTR)
+
+
+def attention_strategy_of(model: torch.nn.Module) -> dict[str, int]:
+    """Count of attention processors per strategy in ``model`` ("original" = untouched)."""
+    counts: dict[str, int] = {}
+    for _, module in _attention_modules(model):
+        processor = module.processor
+        if isinstance(processor, (StrategyProcessor, StrategyModuleProcessor)):
+            key = processor.strategy
+        elif _uses_matmul_processor(processor) and hasattr(model, _ORIGINALS_ATTR):
+            key = "vanilla"
+        else:
+            key = "original"
+        counts[key] = counts.get(key, 0) + 1
+    return counts

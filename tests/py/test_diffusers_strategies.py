@@ -1,0 +1,406 @@
+"""set_attention_strategy on real (tiny, randomly initialised) diffusers models of every family.
+
+Tolerance: float32 outputs must match the model's own default output within
+1e-4 * max(1, max|default|) (observed differences are ~1e-6: different summation orders).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    FluxTransformer2DModel,
+    HiDreamImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+import npu_attn
+from npu_attn import strategies
+from npu_attn.strategies import AutoSelector
+
+STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
+# Which implementation must have served the attention calls for each strategy.
+SERVED_BY = {"vanilla": "vanilla", "sdpa": "sdpa", "tiled": "tiled"}
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("NPU_ATTN_STRATEGY", raising=False)
+    monkeypatch.delenv("DIFFUSERS_ATTENTION_TYPE", raising=False)
+    strategies.auto_selector._memory.clear()
+    npu_attn.reset_attention_strategy(None)
+    strategies.reset_call_counts()
+    yield
+    npu_attn.reset_attention_strategy(None)
+
+
+def close(out, ref):
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    err = float((out - ref).abs().max())
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
+
+
+# --------------------------------------------------------------------------- tiny models
+def tiny_unet():
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        block_out_channels=(4, 8),
+        layers_per_block=1,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=8,
+        norm_num_groups=2,
+    ).eval()
+
+
+def tiny_vae():
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        block_out_channels=(8, 16),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+    ).eval()
+
+
+def tiny_sd3():
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+    ).eval()
+
+
+def tiny_flux():
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    ).eval()
+
+
+def tiny_hidream():
+    torch.manual_seed(0)
+    return HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_channels=[8, 4],
+        text_emb_dim=8,
+        num_routed_experts=2,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(32, 32),
+        llama_layers=(0, 1),
+    ).eval()
+
+
+def unet_inputs(masks: bool):
+    g = torch.Generator().manual_seed(1)
+    inputs = {
+        "sample": torch.randn(2, 4, 32, 32, generator=g),
+        "timestep": torch.tensor(10),
+        "encoder_hidden_states": torch.randn(2, 9, 8, generator=g),
+    }
+    if masks:
+        # Key padding on the text tokens (second prompt shorter), diffusers' 1 = keep.
+        inputs["encoder_attention_mask"] = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    return inputs
+
+
+def run_unet(model, masks=False, **kwargs):
+    return model(**unet_inputs(masks), **kwargs).sample
+
+
+def run_vae(model, masks=False):
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    return model(x).sample
+
+
+def run_sd3(model, masks=False):
+    g = torch.Generator().manual_seed(3)
+    return model(
+        hidden_states=torch.randn(2, 4, 16, 16, generator=g),
+        encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+        pooled_projections=torch.randn(2, 64, generator=g),
+        timestep=torch.tensor([1, 2]),
+    ).sample
+
+
+def run_flux(model, masks=False):
+    g = torch.Generator().manual_seed(4)
+    b, h, w, t = 2, 8, 8, 7
+    kwargs = {}
+    if masks:  # joint (text + image) sequence mask: hide the last two text tokens of sample 1
+        keep = torch.ones(b, t + h * w, dtype=torch.bool)
+        keep[1, t - 2 : t] = False
+        kwargs["joint_attention_kwargs"] = {"attention_mask": keep[:, None, None, :]}
+    return model(
+        hidden_states=torch.randn(b, h * w, 4, generator=g),
+        encoder_hidden_states=torch.randn(b, t, 32, generator=g),
+        pooled_projections=torch.randn(b, 32, generator=g),
+        timestep=torch.tensor([0.5, 0.5]),
+        img_ids=torch.randn(h * w, 3, generator=g),
+        txt_ids=torch.zeros(t, 3),
+        **kwargs,
+    ).sample
+
+
+def run_hidream(model, masks=False):
+    g = torch.Generator().manual_seed(5)
+    return model(
+        hidden_states=torch.randn(2, 4, 16, 16, generator=g),
+        timesteps=torch.tensor([10, 20]),
+        encoder_hidden_states_t5=torch.randn(2, 6, 8, generator=g),
+        encoder_hidden_states_llama3=torch.randn(2, 2, 5, 4, generator=g),
+        pooled_embeds=torch.randn(2, 8, generator=g),
+    ).sample
+
+
+FAMILIES = {
+    "unet": (tiny_unet, run_unet, True),
+    "vae": (tiny_vae, run_vae, False),
+    "sd3": (tiny_sd3, run_sd3, False),
+    "flux": (tiny_flux, run_flux, True),
+    "hidream": (tiny_hidream, run_hidream, False),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_family_matches_its_default_output(family, strategy):
+    build, run, has_masks = FAMILIES[family]
+    model = build()
+    originals = {n: m.processor for n, m in model.named_modules() if hasattr(m, "set_processor")}
+    n_processors = len(originals)
+    for masks in (False, True) if has_masks else (False,):
+        with torch.no_grad():
+            ref = run(model, masks)
+            applied = npu_attn.set_attention_strategy(model, strategy)
+            assert npu_attn.attention_strategy_of(model) == {strategy: n_processors}
+            strategies.reset_call_counts()
+            out = run(model, masks)
+            npu_attn.reset_attention_strategy(model)
+        assert applied == strategy
+        close(out, ref)
+        counts = strategies.call_counts()
+        classic_vanilla = all(type(p) is AttnProcessor2_0 for p in originals.values())
+        if strategy in SERVED_BY and not (strategy == "vanilla" and classic_vanilla):
+            assert counts.get(SERVED_BY[strategy], 0) > 0, counts
+        if strategy == "tiled":
+            assert "tiled->sdpa" not in counts, counts
+    # reset restores the very same processor objects
+    restored = {n: m.processor for n, m in model.named_modules() if hasattr(m, "set_processor")}
+    assert restored.keys() == originals.keys()
+    assert all(restored[n] is originals[n] for n in originals)
+
+
+def test_vanilla_on_classic_attention_is_diffusers_attn_processor():
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "vanilla")
+    assert all(type(p) is AttnProcessor for p in unet.attn_processors.values())
+    assert npu_attn.attention_strategy_of(unet) == {"vanilla": len(unet.attn_processors)}
+    npu_attn.set_attention_strategy(unet, "tiled")  # switching again wraps the originals
+    assert npu_attn.attention_strategy_of(unet) == {"tiled": len(unet.attn_processors)}
+    npu_attn.reset_attention_strategy(unet)
+    assert all(type(p) is AttnProcessor2_0 for p in unet.attn_processors.values())
+
+
+def test_matmul_processor_models_still_switch():
+    unet = tiny_unet()
+    unet.set_attn_processor(AttnProcessor())  # a user who had switched to vanilla already
+    with torch.no_grad():
+        ref = run_unet(unet)
+        npu_attn.set_attention_strategy(unet, "tiled")
+        out = run_unet(unet)
+    close(out, ref)
+    assert strategies.call_counts().get("tiled", 0) > 0
+    npu_attn.reset_attention_strategy(unet)
+    assert all(type(p) is AttnProcessor for p in unet.attn_processors.values())
+
+
+def test_wrapped_processor_keeps_the_signature_diffusers_filters_on():
+    unet = tiny_unet()
+    before = {n: inspect.signature(p.__call__) for n, p in unet.attn_processors.items()}
+    npu_attn.set_attention_strategy(unet, "tiled")
+    after = {n: inspect.signature(p.__call__) for n, p in unet.attn_processors.items()}
+    assert before == after
+
+
+class GainProcessor(AttnProcessor2_0):
+    """A processor with its own keyword, like IP-Adapter's ``ip_adapter_masks``."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        gain=1.0,
+    ):
+        out = super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+        return out * gain
+
+
+def test_cross_attention_kwargs_pass_through_to_the_wrapped_processor(caplog):
+    unet = tiny_unet()
+    unet.set_attn_processor(GainProcessor())
+    with torch.no_grad():
+        ref = run_unet(unet, cross_attention_kwargs={"gain": 1.5})
+        npu_attn.set_attention_strategy(unet, "tiled")
+        out = run_unet(unet, cross_attention_kwargs={"gain": 1.5})
+        plain = run_unet(unet)
+    close(out, ref)
+    assert float((out - plain).abs().max()) > 1e-3  # the keyword really reached the processor
+    # Unknown keys are ignored with diffusers' own warning, as without npu_attn.
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        run_unet(unet, cross_attention_kwargs={"not_a_keyword": 1})
+    assert "not_a_keyword" in caplog.text
+
+
+def test_tiny_stable_diffusion_pipeline_matches_and_resets():
+    unet, vae = tiny_unet(), tiny_vae()
+    scheduler = DDIMScheduler(num_train_timesteps=1000)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(0)
+    embeds, negative = torch.randn(1, 9, 8, generator=g), torch.randn(1, 9, 8, generator=g)
+
+    def generate():
+        return pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative,
+            num_inference_steps=3,
+            guidance_scale=5.0,
+            height=64,
+            width=64,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    originals = dict(unet.attn_processors)
+    reference = generate()
+    assert npu_attn.set_attention_strategy(pipe, "tiled") == "tiled"
+    assert npu_attn.attention_strategy_of(pipe.vae) == {"tiled": 2}
+    tiled = generate()
+    assert strategies.call_counts().get("tiled", 0) > 0
+    assert abs(tiled - reference).max() <= 1e-4
+    npu_attn.reset_attention_strategy(pipe)
+    assert all(unet.attn_processors[n] is p for n, p in originals.items())
+    assert abs(generate() - reference).max() == 0
+
+
+def test_auto_measures_once_and_reuses_the_cached_choice(caplog):
+    unet = tiny_unet()
+    assert npu_attn.set_attention_strategy(unet, "auto") == "auto"
+    with caplog.at_level(logging.INFO, logger="npu_attn"), torch.no_grad():
+        first = run_unet(unet)
+        measured = strategies.auto_selector.measurements
+        second = run_unet(unet)
+    assert measured > 0
+    assert strategies.auto_selector.measurements == measured  # second call: cache only
+    assert torch.equal(first, second)
+    assert "npu_attn auto:" in caplog.text  # the choice is reported
+    choices = strategies.auto_selector.choices()
+    assert set(choices.values()) <= {"tiled", "sdpa", "vanilla"} and choices
+    # A new process (fresh selector) reads the choices from the per-machine cache file.
+    fresh = AutoSelector()
+    assert AutoSelector.cache_path().exists()
+    for key, choice in choices.items():
+        assert fresh.cached_choice(key)["choice"] == choice
+
+
+def test_unknown_and_unavailable_strategies_explain_themselves():
+    unet = tiny_unet()
+    with pytest.raises(ValueError, match="valid strategies: vanilla, sdpa, tiled, npu, auto"):
+        npu_attn.set_attention_strategy(unet, "flash")
+    with pytest.raises(ValueError, match="'npu' is unavailable: torch_npu is not installed"):
+        npu_attn.set_attention_strategy(unet, "npu")
+    assert npu_attn.attention_strategy_of(unet) == {"original": len(unet.attn_processors)}
+    with pytest.raises(TypeError, match="diffusers pipeline"):
+        npu_attn.set_attention_strategy("unet", "tiled")
+    with pytest.raises(TypeError, match="unexpected options"):
+        npu_attn.set_attention_strategy(unet, "tiled", speed="max")
+
+
+def test_default_strategy_from_none_target_and_environment(monkeypatch, caplog):
+    unet = tiny_unet()
+    assert npu_attn.set_attention_strategy(None, "vanilla") == "vanilla"
+    assert npu_attn.set_attention_strategy(unet) == "vanilla"
+    npu_attn.reset_attention_strategy(None)
+    monkeypatch.setenv("NPU_ATTN_STRATEGY", "tiled")
+    assert npu_attn.set_attention_strategy(unet) == "tiled"
+    monkeypatch.delenv("NPU_ATTN_STRATEGY")
+    monkeypatch.setenv("DIFFUSERS_ATTENTION_TYPE", "sdpa")  # the seeds' variable
+    from npu_attn import diffusers_integration
+
+    monkeypatch.setattr(diffusers_integration, "_alias_noted", False)
+    with caplog.at_level(logging.WARNING, logger="npu_attn"):
+        assert npu_attn.set_attention_strategy(unet) == "sdpa"
+        npu_attn.set_attention_strategy(unet)
+    assert caplog.text.count("diffusers itself never reads this variable") == 1
+    with pytest.raises(ValueError, match="unknown attention strategy"):
+        npu_attn.set_attention_strategy(None, "fastest")
+
+
+def test_tiled_falls_back_to_sdpa_under_autograd_with_a_warning():
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    with pytest.warns(RuntimeWarning, match="autograd"):
+        out = run_unet(unet)
+    out.mean().backward()  # gradients flow (through torch's SDPA)
+    assert strategies.call_counts().get("tiled->sdpa", 0) > 0
+
+
+def test_redirect_leaves_sdpa_outside_wrapped_processors_untouched():
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "vanilla")
+    strategies.reset_call_counts()
+    q = torch.randn(1, 2, 8, 4)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert strategies.call_counts() == {}
+    assert torch.allclose(out, strategies.vanilla_attention(q, q, q), atol=1e-6)
