@@ -135,7 +135,8 @@ struct Tiling {
   int64_t block_q;  // queries per task, multiple of kLanes, <= kMaxBlockQ
   int64_t block_k;  // keys per tile
   int64_t num_k_tiles;
-  int64_t pair_floats;  // packed K + V floats for one (batch, kv-head) pair
+  bool pack_kv;         // copy K/V rows first (only when a head dim is not contiguous)
+  int64_t pair_floats;  // packed K + V floats for one (batch, kv-head) pair (0 if not packing)
   int64_t pairs_per_chunk;
 };
 
@@ -144,7 +145,10 @@ Tiling choose_tiling(const AttentionParams& p, int threads) {
   // S^T tile (block_k x block_q floats, 128 KiB) stays in L2 next to the K and V rows.
   t.block_k = min_i64(512, max_i64(p.len_k, 1));
   t.num_k_tiles = ceil_div(p.len_k, t.block_k);
-  t.pair_floats = p.len_k * (p.head_dim + p.head_dim_v);
+  // The kernels read K and V as rows with unit stride along the head dim; only other layouts
+  // (e.g. a transposed view) need a packed copy.
+  t.pack_kv = p.k_stride[3] != 1 || p.v_stride[3] != 1;
+  t.pair_floats = t.pack_kv ? p.len_k * (p.head_dim + p.head_dim_v) : 0;
 
   // 64 queries amortise streaming K and V; fewer when there would be too few tasks to keep
   // every thread busy (small batch*heads, short sequences).
@@ -160,7 +164,8 @@ Tiling choose_tiling(const AttentionParams& p, int threads) {
   // bounded memory for long ones.
   const int64_t budget_floats = (int64_t{32} << 20) / 4;
   const int64_t pairs = p.batch * p.heads_kv;
-  t.pairs_per_chunk = max_i64(1, min_i64(pairs, budget_floats / max_i64(t.pair_floats, 1)));
+  t.pairs_per_chunk =
+      t.pack_kv ? max_i64(1, min_i64(pairs, budget_floats / max_i64(t.pair_floats, 1))) : pairs;
   return t;
 }
 
@@ -399,7 +404,15 @@ void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling&
   }
 }
 
-void run_query_tile(const AttentionParams& p, const Tiling& t, const float* packed_pair,
+// K and V rows of one (batch, kv-head) pair: in the caller's tensors or in the packed copy.
+struct KeyValueRows {
+  const float* k;
+  int64_t k_row_stride;
+  const float* v;
+  int64_t v_row_stride;
+};
+
+void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRows& kv,
                     const QueryTile& tile, ThreadScratch& ws) {
   const int64_t ld = t.block_q;
   load_scaled_queries_transposed(p, tile, t, ws.qt);
@@ -410,15 +423,13 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const float* pack
   for (int64_t c = 0; c < p.head_dim_v; ++c)
     for (int64_t i = 0; i < tile.vecs * kLanes; ++i) ws.ot[c * ld + i] = 0.0f;
 
-  const float* k_rows = packed_pair;
-  const float* v_rows = packed_pair + p.len_k * p.head_dim;
   // Causal: keys after the tile's last query are hidden from every query in it.
   const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     // S^T (keys x queries) = K_tile (keys x D) * Q^T (D x queries)
-    broadcast_fma<Product::kScores>(k_rows + k0 * p.head_dim, p.head_dim, ws.qt, ld, p.head_dim,
-                                    keys, tile.vecs, ws.st, ld);
+    broadcast_fma<Product::kScores>(kv.k + k0 * kv.k_row_stride, kv.k_row_stride, ws.qt, ld,
+                                    p.head_dim, keys, tile.vecs, ws.st, ld);
     if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
     if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
     with_count<kTileQueryVecs>(
@@ -426,7 +437,7 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const float* pack
     // O^T (Dv x queries) += V_tile^T (Dv x keys) * P^T (keys x queries), in L1-sized key chunks
     for (int64_t j0 = 0; j0 < keys; j0 += kPvKeyChunk) {
       const int64_t chunk = min_i64(kPvKeyChunk, keys - j0);
-      broadcast_fma<Product::kValues>(v_rows + (k0 + j0) * p.head_dim_v, p.head_dim_v,
+      broadcast_fma<Product::kValues>(kv.v + (k0 + j0) * kv.v_row_stride, kv.v_row_stride,
                                       ws.st + j0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.ot,
                                       ld);
     }
@@ -435,6 +446,14 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const float* pack
 }
 
 // ---------------------------------------------------------------- driver
+KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* packed,
+                       int64_t pair) {
+  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+  if (t.pack_kv) return {packed, p.head_dim, packed + p.len_k * p.head_dim, p.head_dim_v};
+  return {p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
+          p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2]};
+}
+
 void attention_forward_tiled(const AttentionParams& p) {
   if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -462,9 +481,9 @@ void attention_forward_tiled(const AttentionParams& p) {
     ThreadScratch ws = carve_scratch(p, t, scratch + per_thread * omp_get_thread_num());
     for (int64_t first = 0; first < pairs; first += t.pairs_per_chunk) {
       const int64_t chunk_pairs = min_i64(t.pairs_per_chunk, pairs - first);
-      // Phase 1: pack the K and V rows of every pair in the chunk, tile by tile.
+      // Phase 1 (non-contiguous head dims only): pack the K and V rows of the chunk's pairs.
 #pragma omp for schedule(static)
-      for (int64_t item = 0; item < chunk_pairs * t.num_k_tiles; ++item) {
+      for (int64_t item = 0; item < (t.pack_kv ? chunk_pairs * t.num_k_tiles : 0); ++item) {
         const int64_t local = item / t.num_k_tiles, tile = item % t.num_k_tiles;
         const int64_t pair = first + local;
         const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
@@ -488,7 +507,7 @@ void attention_forward_tiled(const AttentionParams& p) {
         tile.q0 = (rest % q_tiles) * t.block_q;
         tile.rows = min_i64(t.block_q, p.len_q - tile.q0);
         tile.vecs = ceil_div(tile.rows, kLanes);
-        run_query_tile(p, t, packed + local * t.pair_floats, tile, ws);
+        run_query_tile(p, t, pair_rows(p, t, packed + local * t.pair_floats, pair), tile, ws);
       }
     }
   }

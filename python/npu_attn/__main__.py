@@ -16,10 +16,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job (currently: the kernel comparison)")
     demo.add_argument("--repeats", type=int, default=5)
     sub.add_parser("info", help="build information and the active kernel variant")
+    sub.add_parser(
+        "bench", help="benchmark every attention strategy on this machine", add_help=False
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # the benchmark has its own options
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command in ("compare", "demo"):
         from ._compare import main as compare_main

@@ -14,7 +14,9 @@
 namespace npu_attn::testing {
 namespace {
 
-enum class Layout { kBHSD, kBSHD };
+// kBHDS stores the head dim outermost within a head (a transposed view): not unit-stride
+// along D, which exercises the kernel's packing path.
+enum class Layout { kBHSD, kBSHD, kBHDS };
 enum class MaskCase { kNone, kBoolFull, kBool2D, kBoolKeyPadding, kAdditiveFull, kAdditiveHeads };
 
 struct Case {
@@ -35,7 +37,14 @@ struct Case {
 };
 
 std::vector<int> order_for(Layout layout) {
-  return layout == Layout::kBSHD ? std::vector<int>{0, 2, 1, 3} : std::vector<int>{0, 1, 2, 3};
+  switch (layout) {
+    case Layout::kBSHD:
+      return {0, 2, 1, 3};
+    case Layout::kBHDS:
+      return {0, 1, 3, 2};
+    default:
+      return {0, 1, 2, 3};
+  }
 }
 
 struct Problem {
@@ -160,7 +169,7 @@ std::vector<Case> shape_grid() {
 
 TEST_P(EveryIsa, MatchesReferenceOnShapeGrid) {
   for (Case c : shape_grid()) {
-    for (Layout layout : {Layout::kBHSD, Layout::kBSHD}) {
+    for (Layout layout : {Layout::kBHSD, Layout::kBSHD, Layout::kBHDS}) {
       c.layout = layout;
       expect_matches_reference(c, GetParam());
     }

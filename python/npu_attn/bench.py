@@ -1,0 +1,416 @@
+"""``python -m npu_attn bench``: which attention strategy wins on *this* machine.
+
+Every competitor runs in this one process, on the same tensors, interleaved (round-robin after
+a warm-up), with the same thread count; the report gives medians and spreads, the speed-up
+over torch's SDPA, GFLOP/s and the percentage of this machine's fp32 FMA peak (measured by a
+small C++ routine, not assumed). Peak memory is measured honestly: one fresh subprocess per
+(case, strategy), reporting the growth of its peak RSS during one call.
+
+Shapes are taken from real model configurations (batch 2 = classifier-free guidance):
+
+- SD-1.5 at 512x512: 64x64 / 32x32 / 16x16 latents, 8 heads of 40 / 80 / 160, and
+  cross-attention to 77 CLIP tokens.
+- SD-2.1 at 768x768: 96x96 / 48x48 latents, head_dim 64 (5 / 10 heads), cross to 77.
+- SDXL at 1024x1024: 64x64 / 32x32 latents, head_dim 64 (10 / 20 heads), cross to 77.
+- SD3-medium at 1024x1024: joint attention over 4096 image + 333 text tokens, 24 heads of 64.
+- Flux at 1024x1024: joint 4096 image + 512 text tokens, 24 heads of 128, batch 1 (guidance
+  distilled, no CFG).
+- HiDream-I1 at 1024x1024: 4096 image + 128 T5 + 128 Llama tokens (approximation of its
+  concatenated text), 20 heads of 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+COMPETITORS = ("vanilla", "sdpa", "tiled")
+# Above this many bytes for one materialised score matrix, vanilla is skipped (it needs about
+# three such buffers: scores, probabilities, and the softmax temporaries).
+VANILLA_SCORE_LIMIT = 3 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    heads: int
+    len_q: int
+    len_k: int
+    head_dim: int
+    group: str = "model"  # "model" (named shapes) or "sweep"
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.batch * self.heads * self.len_q * self.len_k * self.head_dim
+
+    @property
+    def score_bytes(self) -> int:
+        return 4 * self.batch * self.heads * self.len_q * self.len_k
+
+    @property
+    def dims(self) -> str:
+        return f"B{self.batch} H{self.heads} Lq{self.len_q} Lk{self.len_k} D{self.head_dim}"
+
+
+def model_cases() -> list[Case]:
+    return [
+        Case("SD1.5 self 64x64", 2, 8, 4096, 4096, 40),
+        Case("SD1.5 cross 64x64", 2, 8, 4096, 77, 40),
+        Case("SD1.5 self 32x32", 2, 8, 1024, 1024, 80),
+        Case("SD1.5 cross 32x32", 2, 8, 1024, 77, 80),
+        Case("SD1.5 self 16x16", 2, 8, 256, 256, 160),
+        Case("SD2.1 self 96x96", 2, 5, 9216, 9216, 64),
+        Case("SD2.1 cross 96x96", 2, 5, 9216, 77, 64),
+        Case("SD2.1 self 48x48", 2, 10, 2304, 2304, 64),
+        Case("SDXL self 64x64", 2, 10, 4096, 4096, 64),
+        Case("SDXL cross 64x64", 2, 10, 4096, 77, 64),
+        Case("SDXL self 32x32", 2, 20, 1024, 1024, 64),
+        Case("SD3-medium joint", 2, 24, 4429, 4429, 64),
+        Case("Flux joint", 1, 24, 4608, 4608, 128),
+        Case("HiDream joint", 2, 20, 4352, 4352, 128),
+    ]
+
+
+def sweep_cases(lengths=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> list[Case]:
+    return [Case(f"sweep L{n}", 1, 8, n, n, 64, "sweep") for n in lengths]
+
+
+# --------------------------------------------------------------------------- competitors
+def competitor_functions() -> dict[str, Callable]:
+    import torch.nn.functional as F
+
+    from . import strategies
+    from .functional import scaled_dot_product_attention
+
+    return {
+        "vanilla": strategies.vanilla_attention,
+        "sdpa": F.scaled_dot_product_attention,
+        "tiled": scaled_dot_product_attention,
+    }
+
+
+def make_inputs(case: Case, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(case.batch, case.heads, case.len_q, case.head_dim, generator=g)
+    k = torch.randn(case.batch, case.heads, case.len_k, case.head_dim, generator=g)
+    v = torch.randn(case.batch, case.heads, case.len_k, case.head_dim, generator=g)
+    return q, k, v
+
+
+def runnable(case: Case, name: str) -> Optional[str]:
+    """None if `name` should run on `case`, else why it is skipped."""
+    if name == "vanilla" and case.score_bytes > VANILLA_SCORE_LIMIT:
+        return f"skipped: needs ~{3 * case.score_bytes / 2**30:.0f} GiB for scores"
+    return None
+
+
+def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call for each competitor, interleaved round-robin after a warm-up."""
+    import torch
+
+    fns = competitor_functions()
+    q, k, v = make_inputs(case)
+    active = [n for n in names if runnable(case, n) is None]
+    times: dict[str, list[float]] = {n: [] for n in active}
+    with torch.no_grad():
+        for _ in range(warmup):
+            for n in active:
+                fns[n](q, k, v)
+        for _ in range(repeats):
+            for n in active:
+                start = time.perf_counter()
+                fns[n](q, k, v)
+                times[n].append(time.perf_counter() - start)
+    return times
+
+
+def check_agreement(case: Case) -> float:
+    """Max |tiled - sdpa| on the case (a benchmark of a wrong kernel is worthless)."""
+    import torch
+
+    fns = competitor_functions()
+    q, k, v = make_inputs(case, seed=1)
+    with torch.no_grad():
+        return float((fns["tiled"](q, k, v) - fns["sdpa"](q, k, v)).abs().max())
+
+
+# --------------------------------------------------------------------------- memory
+_MEMORY_SNIPPET = """
+import json, sys, torch, npu_attn
+from npu_attn._memory import measure_peak
+from npu_attn.bench import Case, competitor_functions, make_inputs
+case = Case(**json.loads(sys.argv[1])); name = sys.argv[2]
+torch.set_num_threads(int(sys.argv[3]))
+q, k, v = make_inputs(case)
+fn = competitor_functions()[name]
+with torch.no_grad():
+    fn(q[:, :, :8], k[:, :, :8], v[:, :, :8])  # load lazily initialised code outside the window
+    with measure_peak() as m:
+        out = fn(q, k, v)
+print(json.dumps({"peak_extra_bytes": m.extra_bytes, "exact": m.exact}))
+"""
+
+
+def measure_memory(case: Case, name: str, threads: int) -> Optional[int]:
+    """Peak RSS growth of one call in a fresh process (None if it failed)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SNIPPET, json.dumps(asdict(case)), name, str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if result.returncode != 0:
+        return None
+    return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+
+
+# --------------------------------------------------------------------------- machine
+def machine_info(threads: int) -> dict:
+    import torch
+
+    from . import _C, __version__, _runtime
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                cpu,
+            )
+    except OSError:
+        pass
+    isa = _runtime.active_isa()
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "kernel_isa": isa,
+        "fma_peak_gflops": round(_C.fma_peak_gflops(isa, threads, 0.5), 1),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "npu_attn": __version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+# --------------------------------------------------------------------------- run + report
+def summarise(case: Case, times: dict[str, list[float]], peak: float) -> dict:
+    row = {"case": case.name, "group": case.group, "dims": case.dims, "results": {}}
+    sdpa_median = statistics.median(times["sdpa"]) if times.get("sdpa") else None
+    for name in COMPETITORS:
+        if name not in times:
+            row["results"][name] = {"skipped": runnable(case, name) or "not run"}
+            continue
+        t = sorted(times[name])
+        median = statistics.median(t)
+        gflops = case.flops / median / 1e9
+        row["results"][name] = {
+            "median_ms": median * 1e3,
+            "min_ms": t[0] * 1e3,
+            "max_ms": t[-1] * 1e3,
+            "gflops": gflops,
+            "pct_peak": 100.0 * gflops / peak,
+            "speedup_vs_sdpa": (sdpa_median / median) if sdpa_median else None,
+        }
+    return row
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _fmt_mem(b: Optional[int]) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def _time_cell(results: dict, name: str) -> str:
+    x = results[name]
+    if "median_ms" not in x:
+        return x.get("skipped", "-").replace("skipped: ", "")
+    return f"{x['median_ms']:.1f} [{x['min_ms']:.1f}-{x['max_ms']:.1f}]"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['threads']} threads for "
+        f"every competitor; npu_attn kernel `{m['kernel_isa']}`; measured fp32 FMA peak "
+        f"{m['fma_peak_gflops']} GFLOP/s; torch {m['torch']} (CPU capability "
+        f"{m['torch_cpu_capability']}); {m['date']}.",
+        "",
+        "Times are medians of interleaved runs (min-max in brackets); speed-up is torch SDPA "
+        "time / npu_attn tiled time; memory is the peak RSS growth of one call in a fresh "
+        "process (inputs excluded, output included).",
+        "",
+        "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
+        "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["cases"]:
+        r = row["results"]
+        cell = functools.partial(_time_cell, r)
+        tiled = r["tiled"]
+        mem = row.get("memory", {})
+        lines.append(
+            f"| {row['case']} | {row['dims']} | {cell('vanilla')} | {cell('sdpa')} | "
+            f"{cell('tiled')} | {tiled.get('speedup_vs_sdpa', 0):.2f}x | "
+            f"{tiled['gflops']:.0f} | {tiled['pct_peak']:.0f}% | "
+            f"{_fmt_mem(mem.get('vanilla'))} / {_fmt_mem(mem.get('sdpa'))} / "
+            f"{_fmt_mem(mem.get('tiled'))} |"
+        )
+    s = report["summary"]
+    lines += [
+        "",
+        f"Geometric-mean speed-up of npu_attn tiled over torch SDPA on the named model shapes: "
+        f"**{s['geomean_speedup_models']:.2f}x** (slowest case {s['min_speedup_models']:.2f}x, "
+        f"{s['min_speedup_case']}).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["cases"] if r["group"] == "sweep"]
+    if not rows:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [int(r["dims"].split("Lq")[1].split()[0]) for r in rows]
+    written = []
+    for what, key, ylabel in (
+        ("time", "median_ms", "milliseconds per call"),
+        ("memory", None, "peak extra memory (MiB)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in COMPETITORS:
+            xs, ys = [], []
+            for n, r in zip(lengths, rows):
+                if key is None:
+                    value = r.get("memory", {}).get(name)
+                    value = None if value is None else value / 2**20
+                else:
+                    value = r["results"][name].get(key)
+                if value is not None:
+                    xs.append(n)
+                    ys.append(value)
+            if xs:
+                ax.plot(xs, ys, marker="o", label={"tiled": "npu_attn tiled"}.get(name, name))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (B1 H8 D64 self-attention)")
+        ax.set_ylabel(ylabel)
+        m = report["machine"]
+        ax.set_title(f"{what}: {m['threads']} threads, {m['cpu'][:40]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        path = directory / f"bench_{what}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def run(args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from . import _runtime
+
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    _runtime.set_num_threads(threads)
+    cases = model_cases() + sweep_cases()
+    if args.quick:
+        cases = [c for c in cases if c.flops <= 6e10]
+    if args.filter:
+        cases = [c for c in cases if args.filter.lower() in c.name.lower()]
+    info = machine_info(threads)
+    report = {
+        "machine": info,
+        "command": " ".join(["python -m npu_attn bench", *args.argv]),
+        "cases": [],
+    }
+    for case in tqdm(cases, desc="attention cases", unit="case"):
+        err = check_agreement(case)
+        times = time_case(case, COMPETITORS, args.repeats)
+        row = summarise(case, times, info["fma_peak_gflops"])
+        row["max_abs_diff_tiled_vs_sdpa"] = err
+        if not args.no_memory:
+            row["memory"] = {
+                n: measure_memory(case, n, threads)
+                for n in COMPETITORS
+                if runnable(case, n) is None
+            }
+        report["cases"].append(row)
+    model_rows = [r for r in report["cases"] if r["group"] == "model"]
+    speedups = [(r["results"]["tiled"]["speedup_vs_sdpa"], r["case"]) for r in model_rows]
+    if speedups:
+        worst = min(speedups)
+        report["summary"] = {
+            "geomean_speedup_models": geomean(s for s, _ in speedups),
+            "min_speedup_models": worst[0],
+            "min_speedup_case": worst[1],
+        }
+    else:
+        report["summary"] = {
+            "geomean_speedup_models": float("nan"),
+            "min_speedup_models": float("nan"),
+            "min_speedup_case": "-",
+        }
+    return report
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m npu_attn bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="only the smaller cases (~1 min)")
+    parser.add_argument("--filter", help="only cases whose name contains this text")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per competitor")
+    parser.add_argument("--threads", type=int, help="threads for every competitor")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument("--json", type=Path, help="write the full report as JSON here")
+    parser.add_argument(
+        "--plots",
+        type=Path,
+        default=Path("npu_attn_out"),
+        help="folder for the PNG plots (default: npu_attn_out)",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    report = run(args)
+    text = markdown(report)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        print(f"\nJSON report: {args.json}")
+    for path in plot(report, args.plots):
+        print(f"plot: {path}")
+    return 0
