@@ -15,6 +15,7 @@
 
 #include "attention.h"
 #include "dispatch.h"
+#include "system_info.h"
 #include "workspace.h"
 
 namespace py = pybind11;
@@ -223,6 +224,32 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("reset_workspace_peak", &npu_attn::workspace_reset_peak);
+  m.def("cpu_info", [] {
+    const npu_attn::CpuInfo c = npu_attn::query_cpu_info();
+    py::dict d;
+    d["vendor"] = c.vendor;
+    d["model"] = c.model;
+    d["logical_cores"] = c.logical_cores;
+    d["l1d_bytes"] = c.l1d_bytes;
+    d["l2_bytes"] = c.l2_bytes;
+    d["l3_bytes"] = c.l3_bytes;
+    d["features"] = c.feature_names();
+    d["compiled_isas"] = isa_names(npu_attn::compiled_isas());
+    d["runnable_isas"] = isa_names(npu_attn::runnable_isas());
+    d["active_isa"] = std::string(npu_attn::isa_name(npu_attn::active_isa()));
+    return d;
+  });
+  m.def("memory_info", [] {
+    const npu_attn::MemoryInfo mem = npu_attn::query_memory_info();
+    py::dict d;
+    d["total_bytes"] = mem.total_bytes;
+    d["available_bytes"] = mem.available_bytes;
+    d["rss_bytes"] = mem.rss_bytes;
+    d["peak_rss_bytes"] = mem.peak_rss_bytes;
+    d["workspace_bytes"] = mem.workspace_bytes;
+    d["workspace_peak_bytes"] = mem.workspace_peak_bytes;
+    return d;
+  });
   m.def("build_info", &build_info);
   m.def(
       "fma_peak_gflops",
