@@ -30,6 +30,7 @@ _LAZY = {
     "default_strategy": "diffusers_integration",
     "attention_strategy_of": "diffusers_integration",
     "STRATEGIES": "strategies",
+    "DeviceManager": "device",
     "auto_selector": "strategies",
     "call_counts": "strategies",
     "reset_call_counts": "strategies",
@@ -47,6 +48,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "STRATEGIES",
+    "DeviceManager",
     "__version__",
     "active_isa",
     "attention_strategy_of",

@@ -13,8 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="npu_attn's kernel vs torch SDPA on diffusion shapes: agreement and times"
     )
     compare.add_argument("--repeats", type=int, default=5)
-    demo = sub.add_parser("demo", help="the main job (currently: the kernel comparison)")
-    demo.add_argument("--repeats", type=int, default=5)
+    sub.add_parser(
+        "demo", help="a diffusers pipeline under every attention strategy", add_help=False
+    )
     sub.add_parser("info", help="build information and the active kernel variant")
     sub.add_parser(
         "bench", help="benchmark every attention strategy on this machine", add_help=False
@@ -28,8 +29,16 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in ("compare", "demo"):
+    if args.command == "compare":
         from ._compare import main as compare_main
 
         return compare_main(args.repeats)
