@@ -50,7 +50,7 @@ class Case:
     len_q: int
     len_k: int
     head_dim: int
-    group: str = "model"  # "model" (named shapes) or "sweep"
+    group: str = "model"  # "model" (named shapes), "target" or "sweep"
 
     @property
     def flops(self) -> float:
@@ -86,6 +86,11 @@ def model_cases() -> list[Case]:
 
 def sweep_cases(lengths=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> list[Case]:
     return [Case(f"sweep L{n}", 1, 8, n, n, 64, "sweep") for n in lengths]
+
+
+def target_cases() -> list[Case]:
+    """The shape the efficiency target is stated on (% of the measured FMA peak)."""
+    return [Case("target B2 H8 L4096 D64", 2, 8, 4096, 4096, 64, "target")]
 
 
 # --------------------------------------------------------------------------- competitors
@@ -342,7 +347,7 @@ def run(args) -> dict:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     _runtime.set_num_threads(threads)
-    cases = model_cases() + sweep_cases()
+    cases = model_cases() + target_cases() + sweep_cases()
     if args.quick:
         cases = [c for c in cases if c.flops <= 6e10]
     if args.filter:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 MODELS = {
     # name: (UNet config overrides, default size, cross-attention dim, VAE block channels)
-    "sd15": ({}, 512, 768, (128, 256, 512, 512)),
+    "sd15": ({"cross_attention_dim": 768}, 512, 768, (128, 256, 512, 512)),
     "sd21": (
         {
             "attention_head_dim": (5, 10, 20, 20),
@@ -135,10 +135,11 @@ def _time_runner(strategy: str):
     """Replaces the strategy's runner by a timed one; returns (seconds list, restore)."""
     from . import strategies
 
-    spent = [0.0]
+    spent = [0.0, 0]  # seconds, calls
     original = strategies.RUNNERS[strategy]
 
     def timed(*args, **kwargs):
+        spent[1] += 1
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -176,7 +177,9 @@ def denoise(pipe, strategy: str, args, embeds, dm, show_progress: bool) -> RunRe
             elapsed = time.perf_counter() - start
     finally:
         restore()
-    share = spent[0] / elapsed if elapsed > 0 else None
+    # None when attention did not go through the runner (vanilla on classic Attention modules
+    # is diffusers' own AttnProcessor), so the share is unknown rather than zero.
+    share = spent[0] / elapsed if elapsed > 0 and spent[1] else None
     return RunResult(
         strategy, elapsed / args.steps, memory.extra_bytes, latents.float().cpu(), share
     )

@@ -63,6 +63,10 @@ class DeviceProbe:
     def generator(self, device: torch.device) -> torch.Generator:
         raise NotImplementedError
 
+    def make_device(self, device_type: str, index: int) -> torch.device:
+        """The device object for a type and index (torch_npu registers "npu" with torch)."""
+        return torch.device(device_type, index)
+
 
 class TorchProbe(DeviceProbe):
     """Real devices through torch (and torch_npu for Ascend, imported only if installed)."""
@@ -165,11 +169,9 @@ class DeviceManager:
         if requested is None:
             for device_type in DETECTION_ORDER:
                 if self.probe.available(device_type):
-                    return (
-                        torch.device(device_type)
-                        if device_type == "cpu"
-                        else torch.device(device_type, 0)
-                    )
+                    if device_type == "cpu":
+                        return torch.device("cpu")
+                    return self.probe.make_device(device_type, 0)
             return torch.device("cpu")
         # Parsed by hand: torch.device("npu") itself fails until torch_npu registers the type.
         match = re.fullmatch(r"([a-z]+)(?::(\d+))?", requested.strip().lower())
@@ -198,7 +200,7 @@ class DeviceManager:
                 f"preferred device {requested!r} is not present: found {count} {device_type} "
                 f"device(s)"
             )
-        return torch.device(device_type, index)
+        return self.probe.make_device(device_type, index)
 
     def _resolve_dtype(self) -> torch.dtype:
         override = os.environ.get("NPU_ATTN_DTYPE")

@@ -63,8 +63,19 @@ def _as_4d(name: str, x, ndim: int):
     )
 
 
-def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse):
+def _default_backend() -> Optional[str]:
+    """A concrete default strategy set via set_attention_strategy(None, s) / environment."""
+    integration = sys.modules.get("npu_attn.diffusers_integration")
+    if integration is None:
+        return None
+    name = integration._default_strategy
+    return name if name in ("tiled", "npu", "sdpa", "vanilla") else None
+
+
+def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend):
     torch = _torch()
+    from ._backends import registry
+
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor like query, got {type(t).__name__}")
@@ -75,37 +86,16 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
         devices.add(attn_mask.device)
     if len(devices) > 1:
         raise ValueError(f"query, key, value and attn_mask must be on one device, got {devices}")
-    if query.device.type != "cpu":
+    if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(
-            f"npu_attn's tiled kernel runs on CPU tensors; query is on {query.device}. "
-            "Use torch.nn.functional.scaled_dot_product_attention (or torch_npu's fused attention "
-            "on Ascend) for tensors on an accelerator."
-        )
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask)
-    ):
-        raise RuntimeError(
-            "npu_attn.scaled_dot_product_attention has no backward pass yet: call it under "
-            "torch.no_grad() / torch.inference_mode(), or use torch's SDPA for training"
+            f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, "
+            f"{value.dtype}"
         )
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, query.dtype):
         raise TypeError(
             f"attn_mask must be bool or have the query's dtype ({query.dtype}), "
             f"got {attn_mask.dtype}"
         )
-    result_dtype = query.dtype
-    if query.dtype in (torch.float16, torch.bfloat16):
-        # Portable low-precision path: compute in float32 (O(L*D) conversion copies, exact
-        # fp32 accumulation), return the input dtype.
-        if key.dtype != query.dtype or value.dtype != query.dtype:
-            raise TypeError(
-                f"query, key and value must have one dtype, got {query.dtype}, {key.dtype}, "
-                f"{value.dtype}"
-            )
-        query, key, value = query.float(), key.float(), value.float()
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.float()
-
     squeeze = query.dim() == 3
     q = _as_4d("query", query, query.dim())
     k = _as_4d("key", key, key.dim())
@@ -115,28 +105,22 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
             f"query, key and value must have the same number of dimensions, "
             f"got {query.dim()}, {key.dim()}, {value.dim()}"
         )
-    b, hq, lq, _ = q.shape
-    dv = v.shape[-1]
-    out = torch.empty((b, lq, hq, dv), dtype=query.dtype).transpose(1, 2)
-    lse = torch.empty((b, hq, lq), dtype=torch.float32) if return_lse else None
-    # DLPack refuses tensors that require grad; we never write to inputs, so detach is safe.
-    _C.forward(
-        q.detach().__dlpack__(),
-        k.detach().__dlpack__(),
-        v.detach().__dlpack__(),
-        out.__dlpack__(),
-        attn_mask=None if attn_mask is None else attn_mask.detach().__dlpack__(),
-        lse=None if lse is None else lse.__dlpack__(),
-        scale=None if scale is None else float(scale),
-        is_causal=bool(is_causal),
-        enable_gqa=bool(enable_gqa),
-        num_threads=_runtime.get_num_threads(),
-    )
+    scale = None if scale is None else float(scale)
+    args = (q, k, v, attn_mask, 0.0, bool(is_causal), scale, bool(enable_gqa))
+    chosen = registry.select(args, backend or _default_backend())
+    if chosen.name == "tiled":
+        from . import ops
+
+        out, lse = ops.sdpa_forward(q, k, v, attn_mask, bool(is_causal), scale, bool(enable_gqa))
+    else:
+        if return_lse:
+            raise ValueError(
+                f"return_lse=True needs the tiled backend; this call uses {chosen.name}"
+            )
+        out, lse = chosen.run(*args), None
     if squeeze:
         out = out[0]
         lse = None if lse is None else lse[0]
-    if out.dtype != result_dtype:
-        out = out.to(result_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -189,6 +173,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     return_lse: bool = False,
+    backend: Optional[str] = None,
 ) -> Union[ArrayLike, tuple]:
     """Exact attention ``softmax(query @ key^T * scale + mask) @ value`` in O(L) memory.
 
@@ -208,13 +193,17 @@ def scaled_dot_product_attention(
     Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does. NaN and Inf
     in the inputs propagate as in the math reference.
 
-    Accepts CPU torch tensors (returns a torch tensor) or NumPy arrays (returns NumPy).
-    float32 runs natively; float16 and bfloat16 tensors are computed in float32 and returned in
-    their own dtype; other dtypes raise TypeError.
+    Torch tensors on any device are routed to the first backend that can take the call
+    (see :func:`npu_attn.backends`): CPU tensors to npu_attn's tiled kernel (float32 natively;
+    float16/bfloat16 computed in float32 and returned in their own dtype; differentiable),
+    Ascend NPU tensors to torch_npu's fused attention, anything else to torch's SDPA. NumPy
+    arrays (float32) always use the tiled kernel and return NumPy.
 
     Args:
         return_lse: also return the per-row log-sum-exp of the scaled, masked scores,
-            shape (B, Hq, Lq), float32 (``-inf`` for fully masked rows).
+            shape (B, Hq, Lq), float32 (``-inf`` for fully masked rows); tiled backend only.
+        backend: force ``"tiled"``, ``"npu"``, ``"sdpa"`` or ``"vanilla"``; a backend that
+            cannot run the call raises ``ValueError`` listing why.
 
     Raises:
         TypeError: wrong argument type, dtype or device.
@@ -222,7 +211,11 @@ def scaled_dot_product_attention(
     """
     _check_common(dropout_p, is_causal, scale, enable_gqa)
     if _is_torch_tensor(query):
-        return _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
+        return _torch_sdpa(
+            query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend
+        )
     if isinstance(query, np.ndarray):
+        if backend not in (None, "tiled"):
+            raise ValueError(f"NumPy inputs run on the tiled backend only, got backend={backend!r}")
         return _numpy_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse)
     raise TypeError(f"query must be a torch.Tensor or numpy.ndarray, got {type(query).__name__}")

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _redirect, _runtime
-from .backends import npu as npu_backend
+from ._backends import npu as npu_backend
 from .functional import scaled_dot_product_attention as tiled_sdpa
 
 logger = logging.getLogger("npu_attn")
@@ -124,15 +124,13 @@ def _needs_grad(*tensors) -> bool:
 def tiled_attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """npu_attn's kernel. Calls it cannot serve (autograd, dropout, non-CPU tensors) go to
-    torch's SDPA with a one-time warning instead of failing inside a model."""
+    """npu_attn's kernel (differentiable). Calls it cannot serve (dropout, non-CPU tensors) go
+    to torch's SDPA with a one-time warning instead of failing inside a model."""
     reason = None
     if query.device.type != "cpu":
         reason = f"tensors on {query.device}"
     elif dropout_p > 0.0:
         reason = "dropout_p > 0 (training)"
-    elif _needs_grad(query, key, value, attn_mask):
-        reason = "autograd (no backward kernel yet)"
     if reason is not None:
         _warn_once(
             "tiled:" + reason, f"npu_attn 'tiled': {reason}; using torch SDPA for these calls"
@@ -140,7 +138,9 @@ def tiled_attention(
         _count("tiled->sdpa")
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _count("tiled")
-    return tiled_sdpa(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    return tiled_sdpa(
+        query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, backend="tiled"
+    )
 
 
 def npu_attention(

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,13 +21,15 @@ from npu_attn import _C, doctor, strategies
 from npu_attn.device import DeviceManager, DeviceProbe
 
 
-def _register_npu_device_name():
-    """Let torch parse "npu:0" as torch_npu would (it renames torch's PrivateUse1 backend);
-    part of the mock, since torch_npu is not installed here."""
-    try:
-        torch.device("npu", 0)
-    except RuntimeError:
-        torch.utils.rename_privateuse1_backend("npu")
+@dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for torch.device("npu", 0), which torch cannot build without torch_npu."""
+
+    type: str
+    index: int
+
+    def __str__(self):
+        return f"{self.type}:{self.index}"
 
 
 class FakeProbe(DeviceProbe):
@@ -39,8 +42,6 @@ class FakeProbe(DeviceProbe):
         generator_fails=False,
     ):
         self.devices = {"cpu": 1, **devices}
-        if "npu" in devices:
-            _register_npu_device_name()
         self.working = set(working)
         self.generator_fails = generator_fails
         self.calls: list[tuple[str, str]] = []
@@ -64,6 +65,9 @@ class FakeProbe(DeviceProbe):
 
     def synchronize(self, device):
         self.calls.append(("synchronize", str(device)))
+
+    def make_device(self, device_type, index):
+        return FakeDevice(device_type, index)
 
     def generator(self, device):
         if self.generator_fails:
@@ -184,9 +188,9 @@ def test_info_combines_everything():
 
 # --------------------------------------------------------------------------- fake hardware
 def test_detection_order_prefers_npu_then_cuda():
-    assert DeviceManager(probe=FakeProbe({"npu": 1, "cuda": 2})).device == torch.device("npu", 0)
-    assert DeviceManager(probe=FakeProbe({"cuda": 2, "mps": 1})).device == torch.device("cuda", 0)
-    assert DeviceManager(probe=FakeProbe({"mps": 1})).device == torch.device("mps", 0)
+    assert DeviceManager(probe=FakeProbe({"npu": 1, "cuda": 2})).device == FakeDevice("npu", 0)
+    assert DeviceManager(probe=FakeProbe({"cuda": 2, "mps": 1})).device == FakeDevice("cuda", 0)
+    assert DeviceManager(probe=FakeProbe({"mps": 1})).device == FakeDevice("mps", 0)
 
 
 def test_dtype_probe_falls_back_bf16_fp16_fp32():
@@ -199,7 +203,7 @@ def test_dtype_probe_falls_back_bf16_fp16_fp32():
 
 def test_device_index_is_checked_against_the_count(monkeypatch):
     probe = FakeProbe({"cuda": 2})
-    assert DeviceManager("cuda:1", probe=probe).device == torch.device("cuda", 1)
+    assert DeviceManager("cuda:1", probe=probe).device == FakeDevice("cuda", 1)
     monkeypatch.setenv("PREFERRED_DEVICE", "cuda:3")
     with pytest.raises(ValueError, match="found 2 cuda device"):
         DeviceManager(probe=probe)

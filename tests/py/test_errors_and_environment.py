@@ -47,9 +47,9 @@ BAD_CALLS = [
         ValueError,
         "multiple",
     ),
-    ("float64", lambda: sdpa(*qkv(dtype=torch.float64)), TypeError, "float32"),
+    ("int dtype", lambda: sdpa(*(t.int() for t in qkv())), TypeError, "dtype int32 not supported"),
     ("mixed dtypes", lambda: sdpa(q0.half(), k0, v0.half()), TypeError, "one dtype"),
-    ("int query", lambda: sdpa(q0.int(), k0, v0), TypeError, "query must be float32"),
+    ("int query", lambda: sdpa(q0.int(), k0, v0), TypeError, "one dtype"),
     ("mask shape", lambda: sdpa(q0, k0, v0, torch.zeros(8, 9)), ValueError, "broadcast"),
     ("mask dtype", lambda: sdpa(q0, k0, v0, torch.zeros(8, 10).double()), TypeError, "attn_mask"),
     ("mask uint8", lambda: sdpa(q0, k0, v0, torch.zeros(8, 10, dtype=torch.uint8)), TypeError, ""),
@@ -63,7 +63,7 @@ BAD_CALLS = [
     ("query type", lambda: sdpa([1.0], k0, v0), TypeError, "query must be a torch.Tensor"),
     ("mixed types", lambda: sdpa(q0, k0.numpy(), v0), TypeError, "key must be a torch.Tensor"),
     ("numpy float64", lambda: sdpa(*(t.double().numpy() for t in qkv())), TypeError, "float32"),
-    ("meta device", lambda: sdpa(*(t.to("meta") for t in qkv())), TypeError, "CPU tensors"),
+    ("device mix", lambda: sdpa(q0.to("meta"), k0, v0), ValueError, "one device"),
 ]
 
 
@@ -73,14 +73,6 @@ def test_bad_input_raises_clear_error(call):
     with pytest.raises(exc) as info:
         fn()
     assert text in str(info.value)
-
-
-def test_requires_grad_is_refused_until_backward_exists():
-    q = torch.randn(1, 1, 4, 8, requires_grad=True)
-    with pytest.raises(RuntimeError, match="no backward"):
-        sdpa(q, q, q)
-    with torch.no_grad():
-        assert sdpa(q, q, q).shape == (1, 1, 4, 8)
 
 
 def test_thread_settings_are_validated():

@@ -1,1 +1,0 @@
-"""Device backends reached through strategies (see :mod:`npu_attn.strategies`)."""

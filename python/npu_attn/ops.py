@@ -1,0 +1,181 @@
+"""npu_attn's kernel as a real torch op: ``torch.ops.npu_attn.sdpa_forward``.
+
+Registered with ``torch.library.custom_op`` + ``register_fake`` so that ``torch.compile``
+(fullgraph) treats it as one opaque node, and with ``register_autograd`` so gradients flow.
+
+Backward (FlashAttention-2's algorithm, never materialising Lq x Lk): the forward saves the
+per-row log-sum-exp; the backward walks query blocks, recomputes P = exp(S - lse) for one block
+at a time and accumulates dQ, dK, dV (and d(mask) for a float mask that requires grad) with
+torch matmuls in float32. Memory is O(block * Lk) per (batch, head), the block sized to keep it
+under ~64 MiB. It is written with torch ops (not yet a C++ kernel), so it runs wherever the
+forward does and is checked against torch's math backend and by float64 gradcheck.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C, _runtime
+
+_BLOCK_BYTES = 64 << 20
+
+
+def _forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """(out, lse) from the C++ kernel; float16/bfloat16 are computed in float32."""
+    result_dtype = query.dtype
+    if query.dtype in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
+    b, hq, lq, _ = query.shape
+    out = torch.empty((b, lq, hq, value.shape[-1]), dtype=query.dtype).transpose(1, 2)
+    lse = torch.empty((b, hq, lq), dtype=torch.float32)
+    _C.forward(
+        query.detach().__dlpack__(),
+        key.detach().__dlpack__(),
+        value.detach().__dlpack__(),
+        out.__dlpack__(),
+        attn_mask=None if attn_mask is None else attn_mask.detach().__dlpack__(),
+        lse=lse.__dlpack__(),
+        scale=scale,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        num_threads=_runtime.get_num_threads(),
+    )
+    if result_dtype != out.dtype:
+        out = out.to(result_dtype)
+    return out, lse
+
+
+@torch.library.custom_op("npu_attn::sdpa_forward", mutates_args=(), device_types="cpu")
+def sdpa_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """Attention output (B, Hq, Lq, Dv) and log-sum-exp (B, Hq, Lq) of 4-D CPU tensors."""
+    return _forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+@sdpa_forward.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    b, hq, lq, _ = query.shape
+    out = query.new_empty((b, lq, hq, value.shape[-1])).transpose(1, 2)
+    return out, query.new_empty((b, hq, lq), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- backward
+def _mask_rows(attn_mask, i0, i1):
+    """The rows [i0, i1) of a mask broadcastable to (B, H, Lq, Lk)."""
+    if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
+        return attn_mask[..., i0:i1, :]
+    return attn_mask
+
+
+def attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_mask,
+    out,
+    lse,
+    is_causal,
+    scale,
+    enable_gqa,
+    need_mask_grad=False,
+    grad_lse=None,
+):
+    """dQ, dK, dV (and d(mask)) of softmax(Q K^T * scale + mask) V, recomputed per query block
+    from the saved log-sum-exp; ``grad_lse`` is the gradient of the lse output, if used.
+    Computes in float32 (float64 inputs stay float64)."""
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    b, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q = query.to(compute)
+    k = key.to(compute).repeat_interleave(group, dim=1) if group > 1 else key.to(compute)
+    v = value.to(compute).repeat_interleave(group, dim=1) if group > 1 else value.to(compute)
+    do = grad_out.to(compute)
+    o = out.to(compute)
+    lse = lse.to(compute)
+    delta = (do * o).sum(-1)  # D_i = rowsum(dO * O)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    dmask = torch.zeros((b, hq, lq, lk), dtype=compute) if need_mask_grad else None
+    bytes_per_row = b * hq * max(lk, 1) * torch.finfo(compute).bits // 8 * 3
+    block = max(1, min(lq, _BLOCK_BYTES // max(bytes_per_row, 1)))
+    for i0 in range(0, lq, block):
+        i1 = min(lq, i0 + block)
+        scores = torch.matmul(q[:, :, i0:i1], k.transpose(-1, -2)) * scale
+        if attn_mask is not None:
+            m = _mask_rows(attn_mask, i0, i1)
+            if m.dtype == torch.bool:
+                scores = scores.masked_fill(~m, float("-inf"))
+            else:
+                scores = scores + m.to(compute)
+        if is_causal:
+            rows = torch.arange(i0, i1).view(-1, 1)
+            scores = scores.masked_fill(torch.arange(lk).view(1, -1) > rows, float("-inf"))
+        row_lse = lse[:, :, i0:i1, None]
+        probs = torch.exp(scores - row_lse)
+        probs = torch.where(torch.isneginf(row_lse), torch.zeros_like(probs), probs)
+        dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
+        dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
+        shift = delta[:, :, i0:i1, None]
+        if grad_lse is not None:  # d lse / d S = P
+            shift = shift - grad_lse[:, :, i0:i1, None].to(compute)
+        ds = probs * (dp - shift)
+        dq[:, :, i0:i1] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, i0:i1]) * scale
+        if dmask is not None:
+            dmask[:, :, i0:i1] = ds
+    if group > 1:
+        dk = dk.view(b, hkv, group, lk, d).sum(2)
+        dv = dv.view(b, hkv, group, lk, v.shape[-1]).sum(2)
+    dmask_out = None
+    if dmask is not None:
+        dmask_out = dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dmask_out)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, is_causal, scale, enable_gqa = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
+    ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dmask = attention_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        attn_mask,
+        out,
+        lse,
+        ctx.is_causal,
+        ctx.scale,
+        ctx.enable_gqa,
+        ctx.mask_grad,
+        grad_lse,
+    )
+    return dq, dk, dv, dmask, None, None, None
+
+
+torch.library.register_autograd("npu_attn::sdpa_forward", _backward, setup_context=_setup_context)

@@ -1,0 +1,233 @@
+"""The torch op: autograd, torch.compile, float16/bfloat16, and backend routing.
+
+Gradient bound (float32 kernel + float32 backward vs torch's math backend in float64):
+max|grad - ref| <= 1e-4 * max(1, max|ref|).
+Low-precision bar (flash-attention's): max|out - ref64| <= 2 * max|torch_same_dtype - ref64|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import npu_attn
+from conftest import reference_sdpa
+from npu_attn import ops
+
+GRAD_CASES = [
+    # B, Hq, Hkv, Lq, Lk, D, Dv, mask, causal
+    (2, 2, 2, 37, 53, 40, 40, None, False),
+    (1, 4, 2, 64, 64, 72, 72, "bool", True),
+    (2, 2, 1, 130, 77, 59, 32, "float", False),
+    (1, 2, 2, 300, 300, 64, 64, "keypad", True),
+    (1, 1, 1, 1, 5, 8, 8, None, False),
+]
+
+
+def make(case, dtype=torch.float32, seed=0):
+    b, hq, hkv, lq, lk, d, dv, mask_kind, causal = case
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g, dtype=dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g, dtype=dtype)
+    v = torch.randn(b, hkv, lk, dv, generator=g, dtype=dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, lq, lk, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn(lq, lk, generator=g, dtype=dtype)
+    elif mask_kind == "keypad":
+        mask = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+        mask[..., lk - 17 :] = False
+    return q, k, v, mask, causal
+
+
+def grads(fn, q, k, v, mask, causal, grad_out):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, mask, causal)
+    out.backward(grad_out)
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gradients_match_torch_math_in_float64(case):
+    q, k, v, mask, causal = make(case)
+    gqa = case[1] != case[2]
+    grad_out = torch.randn(
+        case[0], case[1], case[3], case[6], generator=torch.Generator().manual_seed(9)
+    )
+
+    def ours(q, k, v, mask, causal):
+        return npu_attn.scaled_dot_product_attention(
+            q, k, v, mask, is_causal=causal, enable_gqa=gqa
+        )
+
+    def ref(q, k, v, mask, causal):
+        return reference_sdpa(q, k, v, mask, causal, None, gqa)
+
+    _, *mine = grads(ours, q, k, v, mask, causal, grad_out)
+    _, *theirs = grads(ref, q.double(), k.double(), v.double(), mask, causal, grad_out.double())
+    for name, a, r in zip(("dq", "dk", "dv"), mine, theirs):
+        tol = 1e-4 * max(1.0, float(r.abs().max()))
+        assert float((a.double() - r).abs().max()) <= tol, name
+
+
+def test_float_mask_gradient():
+    q, k, v, _, _ = make((1, 2, 2, 20, 30, 16, 16, None, False))
+    bias = torch.randn(1, 1, 20, 30, requires_grad=True)
+    npu_attn.scaled_dot_product_attention(q, k, v, bias).sum().backward()
+    ref_bias = bias.detach().double().requires_grad_(True)
+    reference_sdpa(q, k, v, ref_bias).sum().backward()
+    assert torch.allclose(bias.grad.double(), ref_bias.grad, atol=1e-5)
+
+
+class ReferenceForwardOurBackward(torch.autograd.Function):
+    """float64 forward (torch math) + npu_attn's backward routine, for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal):
+        out = reference_sdpa(q, k, v, mask, causal)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if mask is not None:
+            scores = scores + mask
+        if causal:
+            scores = scores.masked_fill(
+                torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")
+            )
+        ctx.save_for_backward(q, k, v, mask, out, torch.logsumexp(scores, -1))
+        ctx.causal = causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dq, dk, dv, dmask = ops.attention_backward(
+            grad_out,
+            q,
+            k,
+            v,
+            mask,
+            out,
+            lse,
+            ctx.causal,
+            None,
+            False,
+            mask is not None and mask.requires_grad,
+        )
+        return dq, dk, dv, dmask, None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_routine_passes_float64_gradcheck(causal):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, 2, 6, 5, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(3)
+    )
+    mask = torch.randn(1, 1, 6, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(ReferenceForwardOurBackward.apply, (q, k, v, mask, causal))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 4, 8).unbind(2)
+        out = npu_attn.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = TinyAttention().eval()
+    x = torch.randn(2, 50, 32)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert torch.allclose(eager, compiled, atol=1e-6)
+
+
+def test_op_is_registered_with_a_fake_for_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(torch.empty(2, 3, 7, 16))
+        fv = mode.from_tensor(torch.empty(2, 3, 9, 24))
+        fk = mode.from_tensor(torch.empty(2, 3, 9, 16))
+        out, lse = torch.ops.npu_attn.sdpa_forward(fq, fk, fv, None, False, None, False)
+    assert out.shape == (2, 3, 7, 24) and lse.shape == (2, 3, 7)
+    assert out.transpose(1, 2).is_contiguous()  # same layout as the real kernel's output
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_meets_the_flash_attention_bar(dtype):
+    for seed, case in enumerate(GRAD_CASES):
+        q, k, v, mask, causal = make(case, dtype=dtype, seed=seed)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(dtype)
+        gqa = case[1] != case[2]
+        ref = reference_sdpa(q, k, v, mask, causal, None, gqa)
+        ours = npu_attn.scaled_dot_product_attention(
+            q, k, v, mask, is_causal=causal, enable_gqa=gqa
+        )
+        m, c = mask, causal
+        if causal and mask is not None:  # torch's SDPA refuses both: fold causal into the mask
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+            m, c = (
+                (
+                    mask & keep
+                    if mask.dtype == torch.bool
+                    else mask.masked_fill(~keep, float("-inf"))
+                ),
+                False,
+            )
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, enable_gqa=gqa)
+        assert ours.dtype == dtype
+        ours_err = float((ours.double() - ref).abs().max())
+        torch_err = float((theirs.double() - ref).abs().max())
+        assert ours_err <= 2 * torch_err + 1e-6, (case, ours_err, torch_err)
+
+
+def test_backends_declare_support_and_explain_refusals():
+    listing = {b["name"]: b for b in npu_attn.backends()}
+    assert list(listing) == ["tiled", "npu", "sdpa", "vanilla"]
+    assert listing["tiled"]["devices"] == ["cpu"] and listing["tiled"]["grad"]
+    assert listing["npu"]["available"] is False and "torch_npu" in listing["npu"]["reason"]
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    # float64 is not a tiled dtype: the automatic choice falls through to torch's SDPA ...
+    out = npu_attn.scaled_dot_product_attention(q, q, q)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+    # ... and forcing tiled explains why it cannot run.
+    with pytest.raises(ValueError, match="backend 'tiled' cannot run this call: dtype float64"):
+        npu_attn.scaled_dot_product_attention(q, q, q, backend="tiled")
+    meta = torch.empty(1, 2, 8, 16, device="meta")
+    with pytest.raises(ValueError, match="device meta not supported"):
+        npu_attn.scaled_dot_product_attention(meta, meta, meta, backend="tiled")
+    with pytest.raises(ValueError, match="torch_npu is not installed"):
+        npu_attn.scaled_dot_product_attention(q.half(), q.half(), q.half(), backend="npu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        npu_attn.scaled_dot_product_attention(q, q, q, backend="flash")
+
+
+def test_non_cpu_tensors_are_routed_not_refused():
+    # The meta device stands in for an accelerator: routed to torch's SDPA, shapes propagate.
+    meta = torch.empty(2, 4, 10, 16, device="meta")
+    out = npu_attn.scaled_dot_product_attention(meta, meta, meta)
+    assert out.device.type == "meta" and out.shape == (2, 4, 10, 16)
+
+
+def test_default_strategy_applies_to_the_function():
+    q = torch.randn(1, 2, 8, 16)
+    try:
+        npu_attn.set_attention_strategy(None, "vanilla")
+        from npu_attn import strategies
+
+        strategies.reset_call_counts()
+        npu_attn.scaled_dot_product_attention(q, q, q)
+        assert strategies.call_counts().get("vanilla") == 1
+    finally:
+        npu_attn.reset_attention_strategy(None)
