@@ -22,6 +22,7 @@ Shapes are taken from real model configurations (batch 2 = classifier-free guida
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -51,10 +52,14 @@ class Case:
     len_k: int
     head_dim: int
     group: str = "model"  # "model" (named shapes), "target" or "sweep"
+    dtype: str = "float32"
+    backward: bool = False  # time forward + backward instead of forward only
 
     @property
     def flops(self) -> float:
-        return 4.0 * self.batch * self.heads * self.len_q * self.len_k * self.head_dim
+        """Forward: 4 B H Lq Lk D. Backward (recomputing P, then dV, dP, dQ, dK): 2.5x that."""
+        forward = 4.0 * self.batch * self.heads * self.len_q * self.len_k * self.head_dim
+        return forward * (3.5 if self.backward else 1.0)
 
     @property
     def score_bytes(self) -> int:
@@ -62,7 +67,9 @@ class Case:
 
     @property
     def dims(self) -> str:
-        return f"B{self.batch} H{self.heads} Lq{self.len_q} Lk{self.len_k} D{self.head_dim}"
+        extra = "" if self.dtype == "float32" else f" {self.dtype}"
+        extra += " fwd+bwd" if self.backward else ""
+        return f"B{self.batch} H{self.heads} Lq{self.len_q} Lk{self.len_k} D{self.head_dim}{extra}"
 
 
 def model_cases() -> list[Case]:
@@ -111,10 +118,29 @@ def make_inputs(case: Case, seed: int = 0):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(case.batch, case.heads, case.len_q, case.head_dim, generator=g)
-    k = torch.randn(case.batch, case.heads, case.len_k, case.head_dim, generator=g)
-    v = torch.randn(case.batch, case.heads, case.len_k, case.head_dim, generator=g)
-    return q, k, v
+    dtype = getattr(torch, case.dtype)
+    shapes = [(case.len_q,), (case.len_k,), (case.len_k,)]
+    tensors = [
+        torch.randn(case.batch, case.heads, n, case.head_dim, generator=g).to(dtype)
+        for (n,) in shapes
+    ]
+    if case.backward:
+        tensors = [t.requires_grad_(True) for t in tensors]
+    return tuple(tensors)
+
+
+def call(fn, q, k, v, backward: bool):
+    """One forward (under no_grad) or forward + backward."""
+    import torch
+
+    if not backward:
+        with torch.no_grad():
+            return fn(q, k, v)
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v)
+    out.backward(torch.ones_like(out))
+    return out
 
 
 def runnable(case: Case, name: str) -> Optional[str]:
@@ -126,21 +152,18 @@ def runnable(case: Case, name: str) -> Optional[str]:
 
 def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds per call for each competitor, interleaved round-robin after a warm-up."""
-    import torch
-
     fns = competitor_functions()
     q, k, v = make_inputs(case)
     active = [n for n in names if runnable(case, n) is None]
     times: dict[str, list[float]] = {n: [] for n in active}
-    with torch.no_grad():
-        for _ in range(warmup):
-            for n in active:
-                fns[n](q, k, v)
-        for _ in range(repeats):
-            for n in active:
-                start = time.perf_counter()
-                fns[n](q, k, v)
-                times[n].append(time.perf_counter() - start)
+    for _ in range(warmup):
+        for n in active:
+            call(fns[n], q, k, v, case.backward)
+    for _ in range(repeats):
+        for n in active:
+            start = time.perf_counter()
+            call(fns[n], q, k, v, case.backward)
+            times[n].append(time.perf_counter() - start)
     return times
 
 
@@ -151,7 +174,8 @@ def check_agreement(case: Case) -> float:
     fns = competitor_functions()
     q, k, v = make_inputs(case, seed=1)
     with torch.no_grad():
-        return float((fns["tiled"](q, k, v) - fns["sdpa"](q, k, v)).abs().max())
+        diff = fns["tiled"](q, k, v).float() - fns["sdpa"](q, k, v).float()
+    return float(diff.abs().max())
 
 
 # --------------------------------------------------------------------------- memory
@@ -163,10 +187,11 @@ case = Case(**json.loads(sys.argv[1])); name = sys.argv[2]
 torch.set_num_threads(int(sys.argv[3]))
 q, k, v = make_inputs(case)
 fn = competitor_functions()[name]
-with torch.no_grad():
-    fn(q[:, :, :8], k[:, :, :8], v[:, :, :8])  # load lazily initialised code outside the window
-    with measure_peak() as m:
-        out = fn(q, k, v)
+from npu_attn.bench import call
+small = [t.detach()[:, :, :8].clone().requires_grad_(case.backward) for t in (q, k, v)]
+call(fn, *small, case.backward)  # load lazily initialised code outside the window
+with measure_peak() as m:
+    call(fn, q, k, v, case.backward)
 print(json.dumps({"peak_extra_bytes": m.extra_bytes, "exact": m.exact}))
 """
 
@@ -348,6 +373,7 @@ def run(args) -> dict:
     torch.set_num_threads(threads)
     _runtime.set_num_threads(threads)
     cases = model_cases() + target_cases() + sweep_cases()
+    cases = [dataclasses.replace(c, dtype=args.dtype, backward=args.backward) for c in cases]
     if args.quick:
         cases = [c for c in cases if c.flops <= 6e10]
     if args.filter:
@@ -399,6 +425,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per competitor")
     parser.add_argument("--threads", type=int, help="threads for every competitor")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="input dtype (npu_attn computes bf16/fp16 in float32)",
+    )
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")
     parser.add_argument(
         "--plots",

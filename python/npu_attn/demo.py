@@ -44,6 +44,7 @@ MODELS = {
             "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
             "attention_head_dim": 8,
             "norm_num_groups": 8,
+            "sample_size": 32,
         },
         64,
         32,
@@ -116,7 +117,18 @@ def load_pipeline(directory: Path):
             f"{directory} is not a diffusers model folder: no model_index.json (save one with "
             "pipe.save_pretrained(DIR) or download a diffusers-format model)"
         )
-    return DiffusionPipeline.from_pretrained(str(directory), local_files_only=True)
+    try:
+        index = json.loads((directory / "model_index.json").read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{directory}/model_index.json is not valid JSON: {e}") from e
+    # Components listed but not saved (e.g. a folder saved without its text encoder) load as
+    # None; prompts then fall back to random embeddings.
+    absent = {
+        name: None
+        for name, spec in index.items()
+        if not name.startswith("_") and isinstance(spec, list) and not (directory / name).exists()
+    }
+    return DiffusionPipeline.from_pretrained(str(directory), local_files_only=True, **absent)
 
 
 def prompt_embeddings(pipe, cross_dim: int, dtype, device, prompt: Optional[str]):
@@ -252,7 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         cross_dim = pipe.unet.config.cross_attention_dim
-        args.size = args.size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        latent_size = pipe.unet.config.sample_size or 64
+        args.size = args.size or latent_size * pipe.vae_scale_factor
         source = f"weights from {args.weights}"
     else:
         pipe = build_pipeline(args.model)
