@@ -9,10 +9,6 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m npu_attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    compare = sub.add_parser(
-        "compare", help="npu_attn's kernel vs torch SDPA on diffusion shapes: agreement and times"
-    )
-    compare.add_argument("--repeats", type=int, default=5)
     sub.add_parser(
         "demo", help="a diffusers pipeline under every attention strategy", add_help=False
     )
@@ -38,10 +34,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "compare":
-        from ._compare import main as compare_main
-
-        return compare_main(args.repeats)
     if args.command == "info":
         from ._runtime import build_info
 

@@ -39,6 +39,22 @@ def original_sdpa() -> SdpaFunction:
     return _original if _original is not None else F.scaled_dot_product_attention
 
 
+def call_original(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """torch's own SDPA, called with SDPA's positional argument order."""
+    return original_sdpa()(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
 def _call_active(
     fn,
     query,

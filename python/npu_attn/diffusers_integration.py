@@ -61,7 +61,23 @@ def default_strategy() -> str:
 
 
 # --------------------------------------------------------------------------- processors
-class StrategyProcessor:
+class _RoutesSdpa:
+    """Shared behaviour: run ``self.inner`` with its SDPA call routed to ``self.strategy``."""
+
+    def _bind(self, inner: Any, strategy: str) -> None:
+        self.inner = inner
+        self.strategy = strategy
+        self._sdpa = strategies.RUNNERS[strategy]
+
+    def _run(self, *args, **kwargs):
+        with _redirect.redirected(self._sdpa):
+            return self.inner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
+
+
+class StrategyProcessor(_RoutesSdpa):
     """Runs a model's own attention processor with its SDPA call routed to a strategy.
 
     Attribute access falls through to the wrapped processor, and ``__call__`` advertises the
@@ -69,39 +85,21 @@ class StrategyProcessor:
     """
 
     def __init__(self, inner: Any, strategy: str) -> None:
-        self.inner = inner
-        self.strategy = strategy
-        self._sdpa = strategies.RUNNERS[strategy]
-
-    def _run(self, *args, **kwargs):
-        with _redirect.redirected(self._sdpa):
-            return self.inner(*args, **kwargs)
+        self._bind(inner, strategy)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not set yet (e.g. during unpickling)
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
 
-
-class StrategyModuleProcessor(torch.nn.Module):
+class StrategyModuleProcessor(_RoutesSdpa, torch.nn.Module):
     """``StrategyProcessor`` for processors that are ``nn.Module``s (e.g. IP-Adapter ones):
     keeps their weights registered, so ``.to(device)`` and ``state_dict`` still reach them."""
 
     def __init__(self, inner: torch.nn.Module, strategy: str) -> None:
-        super().__init__()
-        self.inner = inner
-        self.strategy = strategy
-        self._sdpa = strategies.RUNNERS[strategy]
-
-    def _run(self, *args, **kwargs):
-        with _redirect.redirected(self._sdpa):
-            return self.inner(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
+        torch.nn.Module.__init__(self)
+        self._bind(inner, strategy)
 
 
 @functools.cache
@@ -258,7 +256,7 @@ def attention_strategy_of(model: torch.nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for _, module in _attention_modules(model):
         processor = module.processor
-        if isinstance(processor, (StrategyProcessor, StrategyModuleProcessor)):
+        if isinstance(processor, _RoutesSdpa):
             key = processor.strategy
         elif _uses_matmul_processor(processor) and hasattr(model, _ORIGINALS_ATTR):
             key = "vanilla"

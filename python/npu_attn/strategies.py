@@ -96,15 +96,8 @@ def torch_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     _count("sdpa")
-    return _redirect.original_sdpa()(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
+    return _redirect.call_original(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
 
 

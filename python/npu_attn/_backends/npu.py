@@ -55,15 +55,8 @@ def fusion_attention(
 ):
     """SDPA semantics on torch_npu's fused kernel (see module docstring)."""
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return _redirect.original_sdpa()(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
+        return _redirect.call_original(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
     torch_npu = importlib.import_module("torch_npu")
     batch, heads, len_q, head_dim = query.shape
