@@ -58,6 +58,7 @@ void register_all() {
       {"sd15_cross_4096x77_d40", {2, 8, 4096, 77, 40}},
       {"b2h8_4096_d64", {2, 8, 4096, 4096, 64}},
       {"sd15_self_1024_d80", {2, 8, 1024, 1024, 80}},
+      {"sd15_self_256_d160", {2, 8, 256, 256, 160}},
   };
   for (auto isa : npu_attn::runnable_isas()) {
     for (const auto& [name, shape] : shapes) {

@@ -292,14 +292,70 @@ struct QueryTile {
   int64_t batch, head, q0, rows, vecs;  // vecs = ceil(rows / kLanes)
 };
 
+// ---------------------------------------------------------------- block transpose
+// Shuffle masks for one stage of an in-register kLanes x kLanes transpose: with distance d,
+// rows i and i+d (i & d == 0) exchange their off-diagonal d-wide blocks. Stages d = kLanes/2,
+// ..., 1 together transpose the matrix (the classic recursive block transpose).
+template <int... I>
+struct LaneSeq {};
+template <int N, int... I>
+struct MakeLaneSeq : MakeLaneSeq<N - 1, N - 1, I...> {};
+template <int... I>
+struct MakeLaneSeq<0, I...> {
+  using type = LaneSeq<I...>;
+};
+
+template <int D, int... L>
+constexpr IVec low_mask(LaneSeq<L...>) {
+  return IVec{((L & D) ? kLanes + L - D : L)...};
+}
+template <int D, int... L>
+constexpr IVec high_mask(LaneSeq<L...>) {
+  return IVec{((L & D) ? kLanes + L : L + D)...};
+}
+
+template <int D>
+NPU_ATTN_VEC_INLINE void transpose_stage(Vec (&r)[kLanes]) {
+  if constexpr (D >= 1) {
+    constexpr IVec lo = low_mask<D>(typename MakeLaneSeq<kLanes>::type{});
+    constexpr IVec hi = high_mask<D>(typename MakeLaneSeq<kLanes>::type{});
+    for (int i = 0; i < kLanes; ++i) {
+      if (i & D) continue;
+      const Vec a = r[i], b = r[i + D];
+      r[i] = __builtin_shuffle(a, b, lo);
+      r[i + D] = __builtin_shuffle(a, b, hi);
+    }
+    transpose_stage<D / 2>(r);
+  }
+}
+
+// r[i][j] <- r[j][i]
+NPU_ATTN_VEC_INLINE void transpose_block(Vec (&r)[kLanes]) {
+  transpose_stage<kLanes / 2>(r);
+}
+
 void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& qt_tile,
                                     const Tiling& t, float* qt) {
   const float* q_head = p.q + qt_tile.batch * p.q_stride[0] + qt_tile.head * p.q_stride[1];
+  const float* q_rows = q_head + qt_tile.q0 * p.q_stride[2];
   const int64_t si = p.q_stride[2], sd = p.q_stride[3];
   const int64_t lanes = qt_tile.vecs * kLanes;
-  for (int64_t d = 0; d < p.head_dim; ++d) {
+  int64_t d_done = 0;
+  if (sd == 1 && qt_tile.rows == lanes) {
+    // Whole kLanes x kLanes blocks: load query rows, transpose in registers, store columns.
+    const Vec scale = splat(p.scale);
+    for (; d_done + kLanes <= p.head_dim; d_done += kLanes) {
+      for (int64_t i0 = 0; i0 < lanes; i0 += kLanes) {
+        Vec r[kLanes];
+        for (int i = 0; i < kLanes; ++i) r[i] = load(q_rows + (i0 + i) * si + d_done);
+        transpose_block(r);
+        for (int d = 0; d < kLanes; ++d) store(qt + (d_done + d) * t.block_q + i0, r[d] * scale);
+      }
+    }
+  }
+  for (int64_t d = d_done; d < p.head_dim; ++d) {
     float* row = qt + d * t.block_q;
-    const float* src = q_head + (qt_tile.q0) * si + d * sd;
+    const float* src = q_rows + d * sd;
     for (int64_t i = 0; i < qt_tile.rows; ++i) row[i] = src[i * si] * p.scale;
     for (int64_t i = qt_tile.rows; i < lanes; ++i) row[i] = 0.0f;
   }
@@ -390,16 +446,36 @@ void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, Thr
 void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
                   const ThreadScratch& ws) {
   float* out_head = p.out + tile.batch * p.out_stride[0] + tile.head * p.out_stride[1];
-  const int64_t sc = p.out_stride[3];
+  float* out_rows = out_head + tile.q0 * p.out_stride[2];
+  const int64_t sc = p.out_stride[3], si = p.out_stride[2];
+  // 1 / l per query; queries with every key masked have l == 0: output 0 like torch's SDPA.
+  for (int64_t i = 0; i < tile.vecs * kLanes; ++i)
+    ws.l[i] = ws.l[i] == 0.0f ? 0.0f : 1.0f / ws.l[i];
+  int64_t c_done = 0;
+  if (sc == 1 && tile.rows == tile.vecs * kLanes) {
+    // Whole blocks: load O^T rows (one channel, kLanes queries), transpose, store query rows.
+    for (; c_done + kLanes <= p.head_dim_v; c_done += kLanes) {
+      for (int64_t i0 = 0; i0 < tile.rows; i0 += kLanes) {
+        Vec r[kLanes];
+        for (int c = 0; c < kLanes; ++c) r[c] = load(ws.ot + (c_done + c) * t.block_q + i0);
+        transpose_block(r);
+        for (int i = 0; i < kLanes; ++i) {
+          store(out_rows + (i0 + i) * si + c_done, r[i] * splat(ws.l[i0 + i]));
+        }
+      }
+    }
+  }
   for (int64_t i = 0; i < tile.rows; ++i) {
-    const float l = ws.l[i];
-    // Queries with every key masked have l == 0: output 0 like torch's SDPA, lse = -inf.
-    const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-    float* dst = out_head + (tile.q0 + i) * p.out_stride[2];
-    for (int64_t c = 0; c < p.head_dim_v; ++c) dst[c * sc] = ws.ot[c * t.block_q + i] * inv;
-    if (p.lse != nullptr) {
-      float* lse = p.lse + tile.batch * p.lse_stride[0] + tile.head * p.lse_stride[1];
-      lse[(tile.q0 + i) * p.lse_stride[2]] = l == 0.0f ? kNegInf : ws.m[i] + __builtin_logf(l);
+    float* dst = out_rows + i * si;
+    for (int64_t c = c_done; c < p.head_dim_v; ++c) {
+      dst[c * sc] = ws.ot[c * t.block_q + i] * ws.l[i];
+    }
+  }
+  if (p.lse != nullptr) {
+    float* lse = p.lse + tile.batch * p.lse_stride[0] + tile.head * p.lse_stride[1];
+    for (int64_t i = 0; i < tile.rows; ++i) {
+      const float inv = ws.l[i];
+      lse[(tile.q0 + i) * p.lse_stride[2]] = inv == 0.0f ? kNegInf : ws.m[i] - __builtin_logf(inv);
     }
   }
 }
