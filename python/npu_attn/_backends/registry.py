@@ -167,6 +167,9 @@ def select(args: tuple, backend: Optional[str]) -> Backend:
         if reasons:
             raise ValueError(f"backend {backend!r} cannot run this call: " + "; ".join(reasons))
         return BY_NAME[backend]
+    query = args[0]
+    if query.device.type == "cpu" and query.dtype in _FLOATS and not args[4]:
+        return BY_NAME["tiled"]  # the common case, decided without building refusal lists
     refusals = {}
     for candidate in BACKENDS:
         reasons = candidate.not_supported_reasons(*args)
