@@ -1,0 +1,63 @@
+"""Assemble BENCHMARKS.md from the outputs of the benchmark commands it lists.
+
+Usage (after running the commands in BENCHMARKS.md's header, which write bench_out/):
+    python bench/make_benchmarks_md.py bench_out > BENCHMARKS.md
+The text around the tables (targets, profile notes) lives here so the numbers always come
+straight from the logs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def table_lines(log: Path) -> list[str]:
+    lines = [
+        line
+        for line in log.read_text(encoding="utf-8").splitlines()
+        if "attention cases" not in line
+    ]
+    keep = [line for line in lines if line.startswith(("|", "Machine:", "Geometric"))]
+    return keep
+
+
+def demo_table(results: Path) -> list[str]:
+    rows = json.loads(results.read_text(encoding="utf-8"))
+    out = [
+        "| strategy | s / step | attention share | peak extra memory | max abs(latents - sdpa) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        share = "-" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
+        note = " (includes its one-off measurement)" if r["strategy"] == "auto" else ""
+        out.append(
+            f"| {r['strategy']} | {r['seconds_per_step']:.2f}{note} | {share} | "
+            f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB | {r['max_diff_vs_sdpa']:.2e} |"
+        )
+    return out
+
+
+def main() -> int:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
+    full = table_lines(root / "full.log")
+    target = [line for line in table_lines(root / "target.log") if line.startswith("|")]
+    bf16 = [line for line in table_lines(root / "bf16.log") if line.startswith("|")]
+    bwd = [line for line in table_lines(root / "bwd.log") if line.startswith("|")]
+    demo = demo_table(root / "demo_sd15_fp32" / "results.json")
+    text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
+    for key, lines in (
+        ("FULL", full),
+        ("TARGET", target),
+        ("BF16", bf16),
+        ("BWD", bwd),
+        ("DEMO", demo),
+    ):
+        text = text.replace(f"{{{key}}}", "\n".join(lines))
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
