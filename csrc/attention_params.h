@@ -2,7 +2,7 @@
 //
 // It is deliberately a POD with no member functions: it is included by the per-ISA translation
 // units, and any inline function here would become a weak symbol that the linker may merge
-// across ISA flags (see csrc/kernels/README.md). Validation happens once, in
+// across ISA flags (see csrc/kernels/attention_forward_impl.h). Validation happens once, in
 // make_attention_params() (attention.h); kernels trust what they get.
 #pragma once
 

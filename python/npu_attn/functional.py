@@ -111,10 +111,7 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     if chosen.name == "tiled":
         from . import ops
 
-        needs_op = torch.compiler.is_compiling() or (
-            torch.is_grad_enabled()
-            and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
-        )
+        needs_op = torch.compiler.is_compiling() or registry.needs_grad(q, k, v, attn_mask)
         # Outside autograd and compilation the registered op adds only dispatch overhead
         # (~30 us a call, which matters for small attention calls): call the kernel directly.
         run = ops.sdpa_forward if needs_op else ops.forward_cpu

@@ -33,6 +33,7 @@ import torch
 
 from . import _redirect, _runtime
 from ._backends import npu as npu_backend
+from ._backends.registry import needs_grad
 from .functional import scaled_dot_product_attention as tiled_sdpa
 
 logger = logging.getLogger("npu_attn")
@@ -108,10 +109,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _fallback_warned:
         _fallback_warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def tiled_attention(
@@ -299,7 +296,7 @@ class AutoSelector:
         if query.device.type != "cpu":
             name = "npu" if npu_backend.unavailable_reason(query.device.type) is None else "sdpa"
             return RUNNERS[name](*args)
-        if dropout_p > 0.0 or _needs_grad(query, key, value, attn_mask):
+        if dropout_p > 0.0 or needs_grad(query, key, value, attn_mask):
             return torch_sdpa(*args)  # training: the only candidate with dropout and backward
         key_str = self.shape_key(query, key, value, attn_mask, is_causal, enable_gqa)
         entry = self.cached_choice(key_str)

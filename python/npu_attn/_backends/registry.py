@@ -18,6 +18,11 @@ import torch
 ANY_DEVICE = "*"
 
 
+def needs_grad(*tensors) -> bool:
+    """True when autograd will need gradients through this call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -61,10 +66,7 @@ class Backend:
             reasons.append(f"head_dim {query.shape[-1]} > {self.max_head_dim}")
         if dropout_p > 0.0 and not self.supports_dropout:
             reasons.append("dropout_p > 0 not supported (inference kernel)")
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, attn_mask)
-        )
-        if needs_grad and not self.supports_grad:
+        if needs_grad(query, key, value, attn_mask) and not self.supports_grad:
             reasons.append("no backward (inputs require grad)")
         return reasons
 
