@@ -61,6 +61,8 @@ void check_shape(const TensorView& t, const char* name, const std::vector<int64_
 
 // A written tensor must not have two elements at one address (zero stride on a real dim).
 void check_writable(const TensorView& t, const char* name) {
+  for (int64_t size : t.shape)
+    if (size == 0) return;  // no elements, nothing can overlap
   for (size_t i = 0; i < t.shape.size(); ++i) {
     if (t.shape[i] > 1 && t.strides[i] == 0) {
       fail_value(std::string(name) + " has overlapping memory (stride 0 in dim " +
@@ -223,57 +225,161 @@ AttentionParams make_attention_params(const SdpaArguments& args) {
   return p;
 }
 
+AttentionBackwardParams make_attention_backward_params(const SdpaBackwardArguments& args) {
+  if (!args.forward.lse) fail_value("lse (the forward's log-sum-exp) is required for the backward");
+  AttentionBackwardParams bp;
+  bp.fwd = make_attention_params(args.forward);
+  const AttentionParams& p = bp.fwd;
+  const std::vector<int64_t> q_shape = {p.batch, p.heads_q, p.len_q, p.head_dim};
+  const std::vector<int64_t> k_shape = {p.batch, p.heads_kv, p.len_k, p.head_dim};
+  const std::vector<int64_t> v_shape = {p.batch, p.heads_kv, p.len_k, p.head_dim_v};
+  const std::vector<int64_t> o_shape = {p.batch, p.heads_q, p.len_q, p.head_dim_v};
+
+  check_float_tensor(args.grad_out, "grad_out", 4, "(batch, heads, L_q, head_dim_v)");
+  check_shape(args.grad_out, "grad_out", o_shape);
+  check_addressable(args.grad_out, "grad_out");
+  bp.grad_out = static_cast<const float*>(args.grad_out.data);
+  copy4(bp.grad_out_stride, args.grad_out.strides);
+  if (args.grad_lse) {
+    check_float_tensor(*args.grad_lse, "grad_lse", 3, "(batch, heads, L_q)");
+    check_shape(*args.grad_lse, "grad_lse", {p.batch, p.heads_q, p.len_q});
+    check_addressable(*args.grad_lse, "grad_lse");
+    bp.grad_lse = static_cast<const float*>(args.grad_lse->data);
+    for (int i = 0; i < 3; ++i) bp.grad_lse_stride[i] = args.grad_lse->strides[i];
+  }
+
+  struct Output {
+    const TensorView& view;
+    const char* name;
+    const std::vector<int64_t>& shape;
+    float** data;
+    int64_t* strides;
+  };
+  for (const Output& o :
+       {Output{args.grad_query, "grad_query", q_shape, &bp.grad_q, bp.grad_q_stride},
+        Output{args.grad_key, "grad_key", k_shape, &bp.grad_k, bp.grad_k_stride},
+        Output{args.grad_value, "grad_value", v_shape, &bp.grad_v, bp.grad_v_stride}}) {
+    check_float_tensor(o.view, o.name, 4, "(batch, heads, L, head_dim)");
+    check_shape(o.view, o.name, o.shape);
+    check_writable(o.view, o.name);
+    check_addressable(o.view, o.name);
+    *o.data = static_cast<float*>(o.view.data);
+    copy4(o.strides, o.view.strides);
+  }
+  return bp;
+}
+
+namespace {
+
+using Matrix = Eigen::MatrixXd;
+constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+
+Matrix load_matrix(const float* base, int64_t rows, int64_t cols, int64_t row_stride,
+                   int64_t col_stride) {
+  Matrix m(rows, cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; ++c) m(i, c) = base[i * row_stride + c * col_stride];
+  return m;
+}
+
+void store_matrix(const Matrix& m, float* base, int64_t row_stride, int64_t col_stride) {
+  for (int64_t i = 0; i < m.rows(); ++i)
+    for (int64_t c = 0; c < m.cols(); ++c)
+      base[i * row_stride + c * col_stride] = static_cast<float>(m(i, c));
+}
+
+// One head's Q, K, V and its probabilities P = softmax(scale Q K^T + mask) (rows with every key
+// masked are 0) with the per-row log-sum-exp.
+struct ReferenceHead {
+  Matrix Q, K, V, P;
+  std::vector<double> lse;
+};
+
+ReferenceHead reference_head(const AttentionParams& p, int64_t b, int64_t h) {
+  const int64_t hkv = h / (p.heads_q / p.heads_kv);
+  ReferenceHead r;
+  r.Q = load_matrix(p.q + b * p.q_stride[0] + h * p.q_stride[1], p.len_q, p.head_dim, p.q_stride[2],
+                    p.q_stride[3]);
+  r.K = load_matrix(p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.len_k, p.head_dim,
+                    p.k_stride[2], p.k_stride[3]);
+  r.V = load_matrix(p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.len_k, p.head_dim_v,
+                    p.v_stride[2], p.v_stride[3]);
+  Matrix S = (r.Q * r.K.transpose()) * static_cast<double>(p.scale);
+  for (int64_t i = 0; i < p.len_q; ++i) {
+    for (int64_t j = 0; j < p.len_k; ++j) {
+      const int64_t moff =
+          b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
+      if (p.mask_kind == MaskKind::kAdditive) {
+        S(i, j) += static_cast<const float*>(p.mask)[moff];
+      } else if (p.mask_kind == MaskKind::kBool && !static_cast<const uint8_t*>(p.mask)[moff]) {
+        S(i, j) = kNegInfD;
+      }
+      if (p.is_causal && j > i) S(i, j) = kNegInfD;
+    }
+  }
+  r.P = Matrix::Zero(p.len_q, p.len_k);
+  r.lse.assign(p.len_q, kNegInfD);
+  for (int64_t i = 0; i < p.len_q; ++i) {
+    const double m = p.len_k > 0 ? S.row(i).maxCoeff() : kNegInfD;
+    if (m == kNegInfD) continue;  // every key masked: output row 0, lse -inf
+    double sum = 0;
+    for (int64_t j = 0; j < p.len_k; ++j) sum += (r.P(i, j) = std::exp(S(i, j) - m));
+    r.P.row(i) /= sum;
+    r.lse[i] = m + std::log(sum);
+  }
+  return r;
+}
+
+}  // namespace
+
 void attention_reference(const AttentionParams& p) {
-  using Matrix = Eigen::MatrixXd;
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
-      const int64_t hkv = h / group;
-      const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[1];
-      const float* k = p.k + b * p.k_stride[0] + hkv * p.k_stride[1];
-      const float* v = p.v + b * p.v_stride[0] + hkv * p.v_stride[1];
-      Matrix Q(p.len_q, p.head_dim), K(p.len_k, p.head_dim), V(p.len_k, p.head_dim_v);
-      for (int64_t i = 0; i < p.len_q; ++i)
-        for (int64_t d = 0; d < p.head_dim; ++d) Q(i, d) = q[i * p.q_stride[2] + d * p.q_stride[3]];
-      for (int64_t j = 0; j < p.len_k; ++j) {
-        for (int64_t d = 0; d < p.head_dim; ++d) K(j, d) = k[j * p.k_stride[2] + d * p.k_stride[3]];
-        for (int64_t c = 0; c < p.head_dim_v; ++c)
-          V(j, c) = v[j * p.v_stride[2] + c * p.v_stride[3]];
-      }
-      Matrix S = (Q * K.transpose()) * static_cast<double>(p.scale);
-      for (int64_t i = 0; i < p.len_q; ++i) {
-        for (int64_t j = 0; j < p.len_k; ++j) {
-          const int64_t moff = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
-                               j * p.mask_stride[3];
-          if (p.mask_kind == MaskKind::kAdditive) {
-            S(i, j) += static_cast<const float*>(p.mask)[moff];
-          } else if (p.mask_kind == MaskKind::kBool && !static_cast<const uint8_t*>(p.mask)[moff]) {
-            S(i, j) = neg_inf;
-          }
-          if (p.is_causal && j > i) S(i, j) = neg_inf;
-        }
-      }
-      Matrix P = Matrix::Zero(p.len_q, p.len_k);
-      std::vector<double> lse(p.len_q, neg_inf);
-      for (int64_t i = 0; i < p.len_q; ++i) {
-        const double m = p.len_k > 0 ? S.row(i).maxCoeff() : neg_inf;
-        if (m == neg_inf) continue;  // every key masked: output row 0, lse -inf
-        double sum = 0;
-        for (int64_t j = 0; j < p.len_k; ++j) sum += (P(i, j) = std::exp(S(i, j) - m));
-        P.row(i) /= sum;
-        lse[i] = m + std::log(sum);
-      }
-      const Matrix O = P * V;
-      float* out = p.out + b * p.out_stride[0] + h * p.out_stride[1];
-      for (int64_t i = 0; i < p.len_q; ++i) {
-        for (int64_t c = 0; c < p.head_dim_v; ++c)
-          out[i * p.out_stride[2] + c * p.out_stride[3]] = static_cast<float>(O(i, c));
-        if (p.lse) {
+      const ReferenceHead r = reference_head(p, b, h);
+      store_matrix(r.P * r.V, p.out + b * p.out_stride[0] + h * p.out_stride[1], p.out_stride[2],
+                   p.out_stride[3]);
+      if (p.lse) {
+        for (int64_t i = 0; i < p.len_q; ++i) {
           p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-              static_cast<float>(lse[i]);
+              static_cast<float>(r.lse[i]);
         }
       }
+    }
+  }
+}
+
+void attention_backward_reference(const AttentionBackwardParams& bp) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const double scale = p.scale;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t hkv = 0; hkv < p.heads_kv; ++hkv) {
+      Matrix dK = Matrix::Zero(p.len_k, p.head_dim), dV = Matrix::Zero(p.len_k, p.head_dim_v);
+      for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
+        const ReferenceHead r = reference_head(p, b, h);
+        const Matrix dO =
+            load_matrix(bp.grad_out + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1],
+                        p.len_q, p.head_dim_v, bp.grad_out_stride[2], bp.grad_out_stride[3]);
+        const Matrix O = r.P * r.V;
+        Eigen::VectorXd delta = (dO.array() * O.array()).rowwise().sum();
+        if (bp.grad_lse) {
+          for (int64_t i = 0; i < p.len_q; ++i) {
+            delta(i) -= bp.grad_lse[b * bp.grad_lse_stride[0] + h * bp.grad_lse_stride[1] +
+                                    i * bp.grad_lse_stride[2]];
+          }
+        }
+        const Matrix dP = dO * r.V.transpose();
+        const Matrix dS = (r.P.array() * (dP.colwise() - delta).array()).matrix();
+        dV += r.P.transpose() * dO;
+        dK += dS.transpose() * r.Q * scale;
+        store_matrix(dS * r.K * scale,
+                     bp.grad_q + b * bp.grad_q_stride[0] + h * bp.grad_q_stride[1],
+                     bp.grad_q_stride[2], bp.grad_q_stride[3]);
+      }
+      store_matrix(dK, bp.grad_k + b * bp.grad_k_stride[0] + hkv * bp.grad_k_stride[1],
+                   bp.grad_k_stride[2], bp.grad_k_stride[3]);
+      store_matrix(dV, bp.grad_v + b * bp.grad_v_stride[0] + hkv * bp.grad_v_stride[1],
+                   bp.grad_v_stride[2], bp.grad_v_stride[3]);
     }
   }
 }

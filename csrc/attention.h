@@ -55,9 +55,27 @@ struct SdpaArguments {
 // argument and what was expected.
 AttentionParams make_attention_params(const SdpaArguments& args);
 
+// The backward of one SdpaArguments call. `forward.out` and `forward.lse` are that call's
+// results (read, lse required); the three gradients are written in full.
+struct SdpaBackwardArguments {
+  SdpaArguments forward;
+  TensorView grad_out;                 // (B, Hq, Lq, Dv) float32
+  std::optional<TensorView> grad_lse;  // (B, Hq, Lq) float32, gradient of the lse output
+  TensorView grad_query;               // like query, written
+  TensorView grad_key;                 // like key, written
+  TensorView grad_value;               // like value, written
+};
+
+// Checks every argument of the backward (the forward's too) and builds the kernel parameters.
+AttentionBackwardParams make_attention_backward_params(const SdpaBackwardArguments& args);
+
 // Straightforward attention that materialises the (Lq x Lk) scores of one head at a time and
 // accumulates in double. Same semantics as the kernels; for tests only.
 void attention_reference(const AttentionParams& params);
+
+// The gradients of attention_reference, computed in double from the inputs alone (P from a full
+// softmax, not from the saved lse); for tests only.
+void attention_backward_reference(const AttentionBackwardParams& params);
 
 // Threads used by the kernels (defaults to omp_get_max_threads() at first use).
 int get_num_threads();

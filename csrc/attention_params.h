@@ -46,4 +46,23 @@ struct AttentionParams {
   int num_threads = 1;
 };
 
+// Everything the backward kernel sees. `fwd` describes the forward call being differentiated:
+// its q, k, v, mask, scale, causal flag, threads, and its results `out` and `lse` (both read
+// here; lse is required). The gradients are written, every element, in float32.
+struct AttentionBackwardParams {
+  AttentionParams fwd;
+
+  const float* grad_out = nullptr;  // (batch, heads_q, len_q, head_dim_v)
+  const float* grad_lse = nullptr;  // optional (batch, heads_q, len_q): gradient of lse
+  float* grad_q = nullptr;          // (batch, heads_q, len_q, head_dim)
+  float* grad_k = nullptr;          // (batch, heads_kv, len_k, head_dim), summed over a GQA group
+  float* grad_v = nullptr;          // (batch, heads_kv, len_k, head_dim_v)
+
+  int64_t grad_out_stride[4] = {0, 0, 0, 0};
+  int64_t grad_lse_stride[3] = {0, 0, 0};
+  int64_t grad_q_stride[4] = {0, 0, 0, 0};
+  int64_t grad_k_stride[4] = {0, 0, 0, 0};
+  int64_t grad_v_stride[4] = {0, 0, 0, 0};
+};
+
 }  // namespace npu_attn

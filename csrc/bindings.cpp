@@ -170,6 +170,30 @@ void forward(py::handle query, py::handle key, py::handle value, py::handle out,
   }
 }
 
+void backward(py::handle query, py::handle key, py::handle value, py::handle out, py::handle lse,
+              py::handle grad_out, py::handle grad_query, py::handle grad_key,
+              py::handle grad_value, py::object attn_mask, py::object grad_lse,
+              std::optional<double> scale, bool is_causal, bool enable_gqa,
+              std::optional<int> num_threads, std::optional<std::string> isa, bool reference) {
+  npu_attn::SdpaBackwardArguments args;
+  args.forward =
+      collect_arguments(query, key, value, out, attn_mask, py::reinterpret_borrow<py::object>(lse),
+                        scale, is_causal, enable_gqa, num_threads);
+  args.grad_out = to_view(grad_out, false, "grad_out");
+  args.grad_lse = to_optional_view(grad_lse, false, "grad_lse");
+  args.grad_query = to_view(grad_query, true, "grad_query");
+  args.grad_key = to_view(grad_key, true, "grad_key");
+  args.grad_value = to_view(grad_value, true, "grad_value");
+  const npu_attn::AttentionBackwardParams params = npu_attn::make_attention_backward_params(args);
+  const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+  py::gil_scoped_release no_gil;
+  if (reference) {
+    npu_attn::attention_backward_reference(params);
+  } else {
+    npu_attn::run_attention_backward(params, variant);
+  }
+}
+
 py::dict build_info() {
   py::dict info;
   info["compiler"] = std::string(__VERSION__);
@@ -205,6 +229,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
         py::arg("reference") = false,
         "Attention forward into `out` (and `lse`). Inputs: DLPack capsules or buffers.");
+
+  m.def("backward", &backward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
+        py::arg("lse"), py::arg("grad_out"), py::arg("grad_query"), py::arg("grad_key"),
+        py::arg("grad_value"), py::arg("attn_mask") = py::none(), py::arg("grad_lse") = py::none(),
+        py::arg("scale") = py::none(), py::arg("is_causal") = false, py::arg("enable_gqa") = false,
+        py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
+        py::arg("reference") = false,
+        "Gradients of the forward call (query, key, value, attn_mask, scale, is_causal, "
+        "enable_gqa) that produced `out` and `lse`, written into grad_query/key/value.");
 
   m.def("get_num_threads", &npu_attn::get_num_threads);
   m.def("set_num_threads", &npu_attn::set_num_threads, py::arg("threads"));

@@ -165,6 +165,35 @@ void run_attention_forward(const AttentionParams& params, Isa isa) {
   throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' is not compiled");
 }
 
+void run_attention_backward(const AttentionBackwardParams& params) {
+  run_attention_backward(params, active_isa());
+}
+
+void run_attention_backward(const AttentionBackwardParams& params, Isa isa) {
+  if (!isa_supported_by_cpu(isa)) {
+    throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) +
+                             "' cannot run on this CPU");
+  }
+  switch (isa) {
+#if defined(NPU_ATTN_HAVE_AVX512)
+    case Isa::kAvx512:
+      kernels::attention_backward_avx512(params);
+      return;
+#endif
+#if defined(NPU_ATTN_HAVE_AVX2)
+    case Isa::kAvx2:
+      kernels::attention_backward_avx2(params);
+      return;
+#endif
+    case Isa::kScalar:
+      kernels::attention_backward_scalar(params);
+      return;
+    default:
+      break;
+  }
+  throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' is not compiled");
+}
+
 double measure_fma_peak_gflops(Isa isa, int threads, double seconds) {
   if (!isa_supported_by_cpu(isa) || !isa_compiled(isa)) {
     throw std::runtime_error(std::string("kernel variant '") + isa_name(isa) + "' cannot run here");

@@ -33,6 +33,10 @@ void set_active_isa(Isa isa);  // throws std::runtime_error if not runnable here
 void run_attention_forward(const AttentionParams& params);
 void run_attention_forward(const AttentionParams& params, Isa isa);
 
+// Runs the backward kernel of `isa` (default: the active one). Params must be validated.
+void run_attention_backward(const AttentionBackwardParams& params);
+void run_attention_backward(const AttentionBackwardParams& params, Isa isa);
+
 // Measured fp32 FMA throughput (GFLOP/s) of `threads` threads using `isa`'s vectors for about
 // `seconds`: the denominator of the benchmark's "percent of peak".
 double measure_fma_peak_gflops(Isa isa, int threads, double seconds);

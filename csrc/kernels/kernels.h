@@ -8,13 +8,16 @@
 namespace npu_attn::kernels {
 
 void attention_forward_scalar(const AttentionParams& params);
+void attention_backward_scalar(const AttentionBackwardParams& params);
 double fma_peak_gflops_scalar(int threads, double seconds);
 #if defined(NPU_ATTN_HAVE_AVX2)
 void attention_forward_avx2(const AttentionParams& params);
+void attention_backward_avx2(const AttentionBackwardParams& params);
 double fma_peak_gflops_avx2(int threads, double seconds);
 #endif
 #if defined(NPU_ATTN_HAVE_AVX512)
 void attention_forward_avx512(const AttentionParams& params);
+void attention_backward_avx512(const AttentionBackwardParams& params);
 double fma_peak_gflops_avx512(int threads, double seconds);
 #endif
 

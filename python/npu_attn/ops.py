@@ -4,11 +4,15 @@ Registered with ``torch.library.custom_op`` + ``register_fake`` so that ``torch.
 (fullgraph) treats it as one opaque node, and with ``register_autograd`` so gradients flow.
 
 Backward (FlashAttention-2's algorithm, never materialising Lq x Lk): the forward saves the
-per-row log-sum-exp; the backward walks query blocks, recomputes P = exp(S - lse) for one block
-at a time and accumulates dQ, dK, dV (and d(mask) for a float mask that requires grad) with
-torch matmuls in float32. Memory is O(block * Lk) per (batch, head), the block sized to keep it
-under ~64 MiB. It is written with torch ops (not yet a C++ kernel), so it runs wherever the
-forward does and is checked against torch's math backend and by float64 gradcheck.
+per-row log-sum-exp, and ``backward_cpu`` runs the C++ tiled backward kernel
+(csrc/kernels/attention_backward_impl.h), which recomputes P = exp(S - lse) one
+(query tile x key tile) at a time and accumulates dQ, dK, dV in float32 with the forward's masks,
+causal flag, scale and GQA grouping.
+
+``attention_backward`` is the same algorithm written with torch ops over query blocks. It is used
+where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
+kernel does not produce d(mask)), and float64 (for gradcheck). Tests check both against torch's
+math backend in float64.
 """
 
 from __future__ import annotations
@@ -77,6 +81,44 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 # --------------------------------------------------------------------------- backward
+def _as_float32(tensor):
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+def backward_cpu(
+    grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
+):
+    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtypes.
+
+    float16/bfloat16 tensors are widened to float32 for the kernel (which accumulates in float32)
+    and the gradients rounded back, like the forward."""
+    q, k, v = _as_float32(query.detach()), _as_float32(key.detach()), _as_float32(value.detach())
+    mask = attn_mask
+    if mask is not None:
+        mask = mask.detach() if mask.dtype == torch.bool else _as_float32(mask.detach())
+    grad_q = torch.empty(q.shape, dtype=torch.float32)
+    grad_k = torch.empty(k.shape, dtype=torch.float32)
+    grad_v = torch.empty(v.shape, dtype=torch.float32)
+    _C.backward(
+        to_dlpack(q),
+        to_dlpack(k),
+        to_dlpack(v),
+        to_dlpack(_as_float32(out.detach())),
+        to_dlpack(lse.detach()),
+        to_dlpack(_as_float32(grad_out.detach())),
+        to_dlpack(grad_q),
+        to_dlpack(grad_k),
+        to_dlpack(grad_v),
+        attn_mask=None if mask is None else to_dlpack(mask),
+        grad_lse=None if grad_lse is None else to_dlpack(_as_float32(grad_lse.detach())),
+        scale=scale,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        num_threads=_runtime.get_num_threads(),
+    )
+    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+
+
 def _mask_rows(attn_mask, i0, i1):
     """The rows [i0, i1) of a mask broadcastable to (B, H, Lq, Lk)."""
     if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
@@ -165,6 +207,21 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    if not ctx.mask_grad and query.dtype != torch.float64:
+        dq, dk, dv = backward_cpu(
+            grad_out,
+            query,
+            key,
+            value,
+            attn_mask,
+            out,
+            lse,
+            ctx.is_causal,
+            ctx.scale,
+            ctx.enable_gqa,
+            grad_lse,
+        )
+        return dq, dk, dv, None, None, None, None
     dq, dk, dv, dmask = attention_backward(
         grad_out,
         query,

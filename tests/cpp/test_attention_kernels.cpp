@@ -7,116 +7,13 @@
 #include <string>
 
 #include "attention.h"
+#include "attention_cases.h"
 #include "dispatch.h"
 #include "test_support.h"
 #include "workspace.h"
 
 namespace npu_attn::testing {
 namespace {
-
-// kBHDS stores the head dim outermost within a head (a transposed view): not unit-stride
-// along D, which exercises the kernel's packing path.
-enum class Layout { kBHSD, kBSHD, kBHDS };
-enum class MaskCase { kNone, kBoolFull, kBool2D, kBoolKeyPadding, kAdditiveFull, kAdditiveHeads };
-
-struct Case {
-  int64_t batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v;
-  Layout layout = Layout::kBHSD;
-  MaskCase mask = MaskCase::kNone;
-  bool causal = false;
-  float input_scale = 1.0f;  // multiplies q to produce large logits
-
-  std::string describe() const {
-    std::ostringstream os;
-    os << "B" << batch << " Hq" << heads_q << " Hkv" << heads_kv << " Lq" << len_q << " Lk" << len_k
-       << " D" << head_dim << " Dv" << head_dim_v << (layout == Layout::kBSHD ? " BSHD" : " BHSD")
-       << " mask" << static_cast<int>(mask) << (causal ? " causal" : "") << " qscale"
-       << input_scale;
-    return os.str();
-  }
-};
-
-std::vector<int> order_for(Layout layout) {
-  switch (layout) {
-    case Layout::kBSHD:
-      return {0, 2, 1, 3};
-    case Layout::kBHDS:
-      return {0, 1, 3, 2};
-    default:
-      return {0, 1, 2, 3};
-  }
-}
-
-struct Problem {
-  FloatTensor q, k, v, out, lse, ref_out, ref_lse;
-  FloatTensor additive;
-  BoolTensor boolean;
-  SdpaArguments args;
-};
-
-void build_mask(const Case& c, Problem& pr, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::bernoulli_distribution keep(0.7);
-  auto fill_bool = [&](std::vector<int64_t> shape) {
-    pr.boolean = BoolTensor(shape);
-    for (auto& x : pr.boolean.storage) x = keep(rng);
-    pr.args.attn_mask = pr.boolean.view(DType::kBool);
-  };
-  auto fill_additive = [&](std::vector<int64_t> shape) {
-    pr.additive = FloatTensor(shape);
-    fill_normal(pr.additive, seed + 7);
-    // Some -inf entries, like a padding mask expressed additively.
-    for (size_t i = 0; i < pr.additive.storage.size(); i += 5) pr.additive.storage[i] = -INFINITY;
-    pr.args.attn_mask = pr.additive.view(DType::kFloat32);
-  };
-  switch (c.mask) {
-    case MaskCase::kNone:
-      break;
-    case MaskCase::kBoolFull:
-      fill_bool({c.batch, c.heads_q, c.len_q, c.len_k});
-      break;
-    case MaskCase::kBool2D:
-      fill_bool({c.len_q, c.len_k});
-      break;
-    case MaskCase::kBoolKeyPadding: {
-      fill_bool({c.batch, 1, 1, c.len_k});
-      // Pad the tail of each sequence (all queries then see a prefix).
-      for (int64_t b = 0; b < c.batch; ++b)
-        for (int64_t j = 0; j < c.len_k; ++j) pr.boolean.at({b, 0, 0, j}) = j < c.len_k - b;
-      break;
-    }
-    case MaskCase::kAdditiveFull:
-      fill_additive({c.batch, c.heads_q, c.len_q, c.len_k});
-      break;
-    case MaskCase::kAdditiveHeads:
-      fill_additive({c.batch, 1, c.len_q, c.len_k});
-      break;
-  }
-}
-
-void build(const Case& c, Problem& pr, uint32_t seed) {
-  const auto order = order_for(c.layout);
-  pr.q = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim}, order);
-  pr.k = FloatTensor({c.batch, c.heads_kv, c.len_k, c.head_dim}, order);
-  pr.v = FloatTensor({c.batch, c.heads_kv, c.len_k, c.head_dim_v}, order);
-  pr.out = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order);
-  pr.ref_out = FloatTensor({c.batch, c.heads_q, c.len_q, c.head_dim_v});
-  pr.lse = FloatTensor({c.batch, c.heads_q, c.len_q});
-  pr.ref_lse = FloatTensor({c.batch, c.heads_q, c.len_q});
-  fill_normal(pr.q, seed, c.input_scale);
-  fill_normal(pr.k, seed + 1);
-  fill_normal(pr.v, seed + 2);
-  std::fill(pr.out.storage.begin(), pr.out.storage.end(), NAN);  // every element must be written
-  pr.args.query = pr.q.view(DType::kFloat32);
-  pr.args.key = pr.k.view(DType::kFloat32);
-  pr.args.value = pr.v.view(DType::kFloat32);
-  pr.args.out = pr.out.view(DType::kFloat32);
-  pr.args.lse = pr.lse.view(DType::kFloat32);
-  pr.args.is_causal = c.causal;
-  pr.args.enable_gqa = c.heads_q != c.heads_kv;
-  pr.args.num_threads = 2;
-  build_mask(c, pr, seed + 3);
-}
 
 // Runs `isa` and the reference on the same problem and returns max |tiled - ref| over output.
 void expect_matches_reference(const Case& c, Isa isa, uint32_t seed = 1, double rel_tol = 1e-5) {

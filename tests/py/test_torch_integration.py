@@ -1,7 +1,7 @@
 """The torch op: autograd, torch.compile, float16/bfloat16, and backend routing.
 
-Gradient bound (float32 kernel + float32 backward vs torch's math backend in float64):
-max|grad - ref| <= 1e-4 * max(1, max|ref|).
+Gradient bound (float32 kernel + the C++ float32 backward kernel vs torch's math backend in
+float64): max|grad - ref| <= 1e-4 * max(1, max|ref|).
 Low-precision bar (flash-attention's): max|out - ref64| <= 2 * max|torch_same_dtype - ref64|.
 """
 
@@ -22,6 +22,8 @@ GRAD_CASES = [
     (2, 2, 1, 130, 77, 59, 32, "float", False),
     (1, 2, 2, 300, 300, 64, 64, "keypad", True),
     (1, 1, 1, 1, 5, 8, 8, None, False),
+    (2, 2, 2, 70, 77, 80, 80, "float", True),  # cross-attention shape, odd head dim
+    (1, 3, 3, 1, 1, 64, 64, None, False),  # length 1
 ]
 
 
@@ -70,6 +72,120 @@ def test_gradients_match_torch_math_in_float64(case):
     for name, a, r in zip(("dq", "dk", "dv"), mine, theirs):
         tol = 1e-4 * max(1.0, float(r.abs().max()))
         assert float((a.double() - r).abs().max()) <= tol, name
+
+
+def test_autograd_runs_the_cpp_backward_kernel(monkeypatch):
+    calls = []
+    real = ops.backward_cpu
+    monkeypatch.setattr(ops, "backward_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k, v, mask, causal = make(GRAD_CASES[1])
+    q.requires_grad_(True)
+    npu_attn.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=causal, enable_gqa=True
+    ).sum().backward()
+    assert calls == [1] and q.grad is not None
+
+
+def test_gradients_of_non_contiguous_inputs():
+    # (B, L, H, D) projections viewed as (B, H, L, D), the layout diffusers produces; the output
+    # gradient arrives expanded (stride 0) from .sum().
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 90, 3, 40, generator=g).transpose(1, 2) for _ in range(3))
+    (mine_q, mine_k, mine_v) = (t.clone().requires_grad_(True) for t in (q, k, v))
+    npu_attn.scaled_dot_product_attention(
+        mine_q.transpose(1, 2).transpose(1, 2), mine_k, mine_v
+    ).sum().backward()
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    reference_sdpa(*ref).sum().backward()
+    for a, r in zip((mine_q, mine_k, mine_v), ref):
+        assert float((a.grad.double() - r.grad).abs().max()) <= 1e-4 * max(
+            1.0, float(r.grad.abs().max())
+        )
+
+
+def test_gradient_of_the_log_sum_exp_output():
+    # torch.ops.npu_attn.sdpa_forward returns (out, lse); a loss using lse sends grad_lse to the
+    # kernel, which folds it into Delta.
+    q, k, v, mask, causal = make((1, 2, 1, 33, 45, 24, 24, "bool", True))
+    mask = mask | torch.eye(33, 45, dtype=torch.bool)  # no fully masked row (lse = -inf)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out, lse = torch.ops.npu_attn.sdpa_forward(q, k, v, mask, causal, None, True)
+    (out.square().sum() + 0.5 * lse.sum()).backward()
+    ref = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in ref[1:])
+    scores = ref[0] @ kr.transpose(-1, -2) / 24**0.5
+    keep = mask & torch.ones(33, 45, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~keep, float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.softmax(scores, -1) @ vr
+    (ref_out.square().sum() + 0.5 * ref_lse.sum()).backward()
+    for a, r in zip((q, k, v), ref):
+        assert float((a.grad.double() - r.grad).abs().max()) <= 1e-4 * max(
+            1.0, float(r.grad.abs().max())
+        )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpp_backward_agrees_with_finite_differences(causal):
+    """Gradcheck-style check of the float32 kernel: the directional derivative of a float64
+    loss, by central differences, against <gradient from the C++ backward, direction>."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 19, 24, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(19, 19, generator=g, dtype=torch.float64)
+    weights = torch.randn(1, 2, 19, 24, generator=g, dtype=torch.float64)
+
+    def loss(q, k, v):
+        return float((reference_sdpa(q, k, v, mask, causal) * weights).sum())
+
+    leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
+    out = npu_attn.scaled_dot_product_attention(*leaves, mask.float(), is_causal=causal)
+    (out * weights.float()).sum().backward()
+    eps = 1e-4
+    for i in range(3):
+        direction = torch.randn(q.shape, generator=g, dtype=torch.float64)
+        plus = [t.clone() for t in (q, k, v)]
+        minus = [t.clone() for t in (q, k, v)]
+        plus[i] += eps * direction
+        minus[i] -= eps * direction
+        numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
+        analytic = float((leaves[i].grad.double() * direction).sum())
+        assert abs(numeric - analytic) <= 1e-4 * max(1.0, abs(numeric)), (i, numeric, analytic)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradients_meet_the_flash_attention_bar(dtype):
+    """max|grad - ref64| <= 2 * max|torch's same-dtype grad - ref64| for dQ, dK and dV."""
+    for seed, case in enumerate(GRAD_CASES[:3]):
+        q, k, v, mask, causal = make(case, dtype=dtype, seed=seed)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(dtype)
+        gqa = case[1] != case[2]
+        grad_out = torch.randn(case[0], case[1], case[3], case[6], dtype=dtype)
+
+        def ours(q, k, v, mask, causal, gqa=gqa):
+            return npu_attn.scaled_dot_product_attention(
+                q, k, v, mask, is_causal=causal, enable_gqa=gqa
+            )
+
+        def theirs(q, k, v, mask, causal, gqa=gqa):
+            if causal and mask is not None:  # torch refuses both: fold causal into the mask
+                keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+                mask, causal = mask & keep, False
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+
+        def ref(q, k, v, mask, causal, gqa=gqa):
+            return reference_sdpa(q, k, v, mask, causal, None, gqa)
+
+        _, *mine = grads(ours, q, k, v, mask, causal, grad_out)
+        _, *torch_grads = grads(theirs, q, k, v, mask, causal, grad_out)
+        _, *exact = grads(ref, q.double(), k.double(), v.double(), mask, causal, grad_out.double())
+        for name, a, t, r in zip(("dq", "dk", "dv"), mine, torch_grads, exact):
+            assert a.dtype == dtype
+            ours_err = float((a.double() - r).abs().max())
+            torch_err = float((t.double() - r).abs().max())
+            assert ours_err <= 2 * torch_err + 1e-6, (case, name, ours_err, torch_err)
 
 
 def test_float_mask_gradient():

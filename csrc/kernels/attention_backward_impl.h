@@ -1,0 +1,365 @@
+// ISA-neutral tiled (FlashAttention-2 style) attention backward kernel.
+//
+// Compiled once per ISA like the forward (attention_backward_<isa>.cpp defines
+// NPU_ATTN_VEC_BYTES and includes this file); same rules: anonymous namespace, no std::
+// templates, so no symbol is shared between the ISA variants.
+//
+// Math, per (batch, head), with S = scale * Q K^T + mask, P = softmax(S), O = P V:
+//     Delta_i = sum_c dO[i][c] * O[i][c] - dlse_i        (dlse: gradient of the lse output)
+//     P       = exp(S - lse)                              recomputed from the saved lse
+//     dV      = P^T dO
+//     dS      = P o (dO V^T - Delta)                      (o: elementwise, Delta per row)
+//     dQ      = scale * dS K          dK = scale * dS^T Q
+// Nothing of size len_q x len_k is ever stored: P and dS exist one (query tile x key tile) at
+// a time.
+//
+// Parallel structure: a work item owns a (batch, kv-head) pair and a range of key tiles, so its
+// dK and dV rows are written by nobody else (GQA: the item walks every q-head of the group and
+// sums into the same rows). dQ receives contributions from every key tile; it is accumulated in
+// a private float32 buffer per item and written once. When there are too few pairs to keep every
+// thread busy, the key tiles of a pair are split over several items and their private dQ
+// buffers are summed in a final pass (deterministic: the order of the sum is fixed).
+//
+//   for each item (pair, key-tile range):                   parallel
+//     for each key tile:  pack K^T, V^T, K rows;  dK = dV = 0
+//       for each q-head of the group, each query tile (causal: only tiles that see the keys):
+//         pack scale*Q and dO rows
+//         S = (scale Q) K^T;  P = exp(S + mask - lse)             (rows: queries, vector: keys)
+//         dP = dO V^T;  dS = P o (dP - Delta)
+//         dV += P^T dO;  dK += dS^T (scale Q);  dQ_private += dS K
+//       write dK, dV rows
+//   dQ = scale * dQ_private (summed over splits)
+// Every product is the broadcast_fma kernel of vec_impl.h: packed operands are padded with
+// zeros to whole vectors, so head dims like 40, 59 or 72 need no tail code in the products.
+#ifndef NPU_ATTN_VEC_BYTES
+#error "define NPU_ATTN_VEC_BYTES before including attention_backward_impl.h"
+#endif
+
+#include <omp.h>
+
+#include <cstdint>
+
+#include "../attention_params.h"
+#include "../workspace.h"
+#include "vec_impl.h"
+
+namespace npu_attn {
+namespace {
+
+constexpr int64_t kBwdBlockQ = 64;  // queries per tile
+constexpr int64_t kBwdBlockK = 64;  // keys per tile (a multiple of every kLanes)
+
+// ---------------------------------------------------------------- plan
+struct BackwardPlan {
+  int64_t group;      // q-heads per kv-head
+  int64_t pairs;      // batch * heads_kv
+  int64_t key_tiles;  // ceil(len_k / kBwdBlockK)
+  int64_t splits;     // items per pair (key tiles divided between them)
+  int64_t items;      // pairs * splits
+  int64_t dim_pad;    // head_dim rounded up to whole vectors
+  int64_t dim_v_pad;  // head_dim_v rounded up to whole vectors
+  int64_t dq_floats;  // one item's private dQ: group * len_q * dim_pad
+  int threads;
+};
+
+BackwardPlan plan_backward(const AttentionBackwardParams& bp) {
+  const AttentionParams& p = bp.fwd;
+  BackwardPlan plan{};
+  plan.group = p.heads_q / p.heads_kv;
+  plan.pairs = p.batch * p.heads_kv;
+  plan.key_tiles = ceil_div(p.len_k, kBwdBlockK);
+  plan.dim_pad = round_up(max_i64(p.head_dim, 1), kLanes);
+  plan.dim_v_pad = round_up(max_i64(p.head_dim_v, 1), kLanes);
+  plan.dq_floats = plan.group * p.len_q * plan.dim_pad;
+  const int64_t max_parallel = plan.pairs * max_i64(plan.key_tiles, 1);
+  plan.threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_parallel));
+  // One item per pair when the pairs alone balance the threads; otherwise split the key tiles
+  // of each pair so that there are about two items per thread.
+  plan.splits = 1;
+  if (plan.pairs % plan.threads != 0 && plan.pairs < 4 * plan.threads) {
+    plan.splits = min_i64(max_i64(plan.key_tiles, 1), ceil_div(2 * plan.threads, plan.pairs));
+  }
+  plan.items = plan.pairs * plan.splits;
+  return plan;
+}
+
+// ---------------------------------------------------------------- per-thread scratch
+struct BackwardScratch {
+  float* kt;       // head_dim x kBwdBlockK: K^T of the key tile, zero in padding keys
+  float* vt;       // head_dim_v x kBwdBlockK: V^T of the key tile, zero in padding keys
+  float* k_rows;   // kBwdBlockK x dim_pad: K rows, zero-padded
+  float* dk;       // kBwdBlockK x dim_pad: dK accumulator of the key tile
+  float* dv;       // kBwdBlockK x dim_v_pad: dV accumulator of the key tile
+  float* q_rows;   // kBwdBlockQ x dim_pad: scale * Q rows, zero-padded
+  float* do_rows;  // kBwdBlockQ x dim_v_pad: dO rows, zero-padded
+  float* probs;    // kBwdBlockQ x kBwdBlockK: P
+  float* dscores;  // kBwdBlockQ x kBwdBlockK: dP, then dS
+};
+
+int64_t backward_scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
+  const int64_t d = bp.fwd.head_dim, dv = bp.fwd.head_dim_v;
+  return kBwdBlockK * (d + dv + 2 * plan.dim_pad + plan.dim_v_pad) +
+         kBwdBlockQ * (plan.dim_pad + plan.dim_v_pad + 2 * kBwdBlockK);
+}
+
+BackwardScratch carve_backward_scratch(const AttentionBackwardParams& bp, const BackwardPlan& plan,
+                                       float* base) {
+  BackwardScratch s{};
+  s.kt = base;
+  s.vt = s.kt + bp.fwd.head_dim * kBwdBlockK;
+  s.k_rows = s.vt + bp.fwd.head_dim_v * kBwdBlockK;
+  s.dk = s.k_rows + kBwdBlockK * plan.dim_pad;
+  s.dv = s.dk + kBwdBlockK * plan.dim_pad;
+  s.q_rows = s.dv + kBwdBlockK * plan.dim_v_pad;
+  s.do_rows = s.q_rows + kBwdBlockQ * plan.dim_pad;
+  s.probs = s.do_rows + kBwdBlockQ * plan.dim_v_pad;
+  s.dscores = s.probs + kBwdBlockQ * kBwdBlockK;
+  return s;
+}
+
+void fill_zero(float* dst, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = 0.0f;
+}
+
+// ---------------------------------------------------------------- packing
+// Rows [first, first + count) of a (len, dim) strided matrix, times `factor`, into rows of
+// `padded` floats (zeros after `dim`).
+void pack_padded_rows(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+                      int64_t first, int64_t count, float factor, int64_t padded, float* dst) {
+  for (int64_t r = 0; r < count; ++r) {
+    const float* s = src + (first + r) * row_stride;
+    float* d = dst + r * padded;
+    for (int64_t c = 0; c < dim; ++c) d[c] = s[c * col_stride] * factor;
+    for (int64_t c = dim; c < padded; ++c) d[c] = 0.0f;
+  }
+}
+
+// The same rows transposed into a (dim x kBwdBlockK) matrix, zeros after `count` columns.
+void pack_transposed(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+                     int64_t first, int64_t count, float* dst) {
+  for (int64_t c = 0; c < dim; ++c) {
+    float* d = dst + c * kBwdBlockK;
+    const float* s = src + first * row_stride + c * col_stride;
+    for (int64_t r = 0; r < count; ++r) d[r] = s[r * row_stride];
+    for (int64_t r = count; r < kBwdBlockK; ++r) d[r] = 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------- the pieces of a tile
+struct TileCoords {
+  int64_t batch, head, hkv;    // head: q-head; hkv: its kv-head
+  int64_t q0, rows;            // query tile
+  int64_t k0, keys, key_vecs;  // key tile; key_vecs = ceil(keys / kLanes)
+};
+
+// Delta_i = sum_c dO[i][c] * O[i][c] - dlse_i for every (batch, head, query), into `delta`.
+void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* delta) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1];
+  const float* g = bp.grad_out + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1];
+  for (int64_t i = 0; i < p.len_q; ++i) {
+    const float* oi = o + i * p.out_stride[2];
+    const float* gi = g + i * bp.grad_out_stride[2];
+    float sum = 0.0f;
+    for (int64_t c = 0; c < p.head_dim_v; ++c)
+      sum += oi[c * p.out_stride[3]] * gi[c * bp.grad_out_stride[3]];
+    if (bp.grad_lse != nullptr) {
+      sum -= bp.grad_lse[b * bp.grad_lse_stride[0] + h * bp.grad_lse_stride[1] +
+                         i * bp.grad_lse_stride[2]];
+    }
+    delta[bh * p.len_q + i] = sum;
+  }
+}
+
+// Adds the user's mask (and causal masking) to the scores of one tile: row i = query q0 + i.
+void mask_scores(const AttentionParams& p, const TileCoords& t, float* s) {
+  const int64_t* ms = p.mask_stride;
+  for (int64_t i = 0; i < t.rows; ++i) {
+    float* row = s + i * kBwdBlockK;
+    if (p.mask_kind != MaskKind::kNone) {
+      const int64_t off = t.batch * ms[0] + t.head * ms[1] + (t.q0 + i) * ms[2] + t.k0 * ms[3];
+      if (p.mask_kind == MaskKind::kAdditive) {
+        const float* m = static_cast<const float*>(p.mask) + off;
+        for (int64_t j = 0; j < t.keys; ++j) row[j] += m[j * ms[3]];
+      } else {
+        const uint8_t* m = static_cast<const uint8_t*>(p.mask) + off;
+        for (int64_t j = 0; j < t.keys; ++j) row[j] = m[j * ms[3]] ? row[j] : kNegInf;
+      }
+    }
+    if (p.is_causal) {  // query q0+i sees keys <= q0+i
+      for (int64_t j = max_i64(0, t.q0 + i + 1 - t.k0); j < t.keys; ++j) row[j] = kNegInf;
+    }
+  }
+}
+
+// Scores -> probabilities in place: P = exp(S - lse); zero for padding keys and for queries
+// whose keys are all masked (lse = -inf, output 0 in the forward, so no gradient).
+void scores_to_probs(const AttentionParams& p, const TileCoords& t, float* s) {
+  const float* lse = p.lse + t.batch * p.lse_stride[0] + t.head * p.lse_stride[1];
+  for (int64_t i = 0; i < t.rows; ++i) {
+    float* row = s + i * kBwdBlockK;
+    const float row_lse = lse[(t.q0 + i) * p.lse_stride[2]];
+    if (row_lse == kNegInf) {
+      fill_zero(row, t.key_vecs * kLanes);
+      continue;
+    }
+    const Vec shift = splat(row_lse);
+    for (int64_t j = 0; j < t.key_vecs * kLanes; j += kLanes)
+      store(row + j, exp_nonpositive(load(row + j) - shift));
+    for (int64_t j = t.keys; j < t.key_vecs * kLanes; ++j) row[j] = 0.0f;
+  }
+}
+
+// dS = P o (dP - Delta), in place over dP.
+void probs_to_dscores(const TileCoords& t, const float* delta_rows, const float* probs, float* ds) {
+  for (int64_t i = 0; i < t.rows; ++i) {
+    const Vec d = splat(delta_rows[i]);
+    const float* pr = probs + i * kBwdBlockK;
+    float* row = ds + i * kBwdBlockK;
+    for (int64_t j = 0; j < t.key_vecs * kLanes; j += kLanes)
+      store(row + j, load(pr + j) * (load(row + j) - d));
+  }
+}
+
+// All the work of one (query tile, key tile): accumulates into s.dk, s.dv and dq_rows.
+void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, const TileCoords& t,
+                   const float* delta, BackwardScratch& s, float* dq_rows) {
+  const AttentionParams& p = bp.fwd;
+  const float* q = p.q + t.batch * p.q_stride[0] + t.head * p.q_stride[1];
+  const float* g = bp.grad_out + t.batch * bp.grad_out_stride[0] + t.head * bp.grad_out_stride[1];
+  pack_padded_rows(q, p.q_stride[2], p.q_stride[3], p.head_dim, t.q0, t.rows, p.scale, plan.dim_pad,
+                   s.q_rows);
+  pack_padded_rows(g, bp.grad_out_stride[2], bp.grad_out_stride[3], p.head_dim_v, t.q0, t.rows,
+                   1.0f, plan.dim_v_pad, s.do_rows);
+  // S = (scale Q) K^T  and  dP = dO V^T   (rows: queries, columns: keys)
+  broadcast_fma<ALayout::kRowMajor, false>(s.q_rows, plan.dim_pad, s.kt, kBwdBlockK, p.head_dim,
+                                           t.rows, t.key_vecs, s.probs, kBwdBlockK);
+  broadcast_fma<ALayout::kRowMajor, false>(s.do_rows, plan.dim_v_pad, s.vt, kBwdBlockK,
+                                           p.head_dim_v, t.rows, t.key_vecs, s.dscores, kBwdBlockK);
+  if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, s.probs);
+  scores_to_probs(p, t, s.probs);
+  probs_to_dscores(t, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs, s.dscores);
+  // dV += P^T dO;  dK += dS^T (scale Q);  dQ += dS K   (scale applied when dQ is written)
+  broadcast_fma<ALayout::kColMajor, true>(s.probs, kBwdBlockK, s.do_rows, plan.dim_v_pad, t.rows,
+                                          t.keys, plan.dim_v_pad / kLanes, s.dv, plan.dim_v_pad);
+  broadcast_fma<ALayout::kColMajor, true>(s.dscores, kBwdBlockK, s.q_rows, plan.dim_pad, t.rows,
+                                          t.keys, plan.dim_pad / kLanes, s.dk, plan.dim_pad);
+  broadcast_fma<ALayout::kRowMajor, true>(s.dscores, kBwdBlockK, s.k_rows, plan.dim_pad, t.keys,
+                                          t.rows, plan.dim_pad / kLanes, dq_rows, plan.dim_pad);
+}
+
+// Rows of an accumulator (rows x padded) into a strided (len, dim) gradient at row `first`.
+void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, float factor,
+                float* dst, int64_t row_stride, int64_t col_stride, int64_t first) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = acc + r * padded;
+    float* d = dst + (first + r) * row_stride;
+    for (int64_t c = 0; c < dim; ++c) d[c * col_stride] = a[c] * factor;
+  }
+}
+
+// One work item: key tiles [tile_begin, tile_end) of one (batch, kv-head) pair.
+void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
+                   int64_t tile_begin, int64_t tile_end, const float* delta, BackwardScratch& s,
+                   float* dq_private) {
+  const AttentionParams& p = bp.fwd;
+  TileCoords t{};
+  t.batch = pair / p.heads_kv;
+  t.hkv = pair % p.heads_kv;
+  const float* k = p.k + t.batch * p.k_stride[0] + t.hkv * p.k_stride[1];
+  const float* v = p.v + t.batch * p.v_stride[0] + t.hkv * p.v_stride[1];
+  fill_zero(dq_private, plan.dq_floats);
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    t.k0 = tile * kBwdBlockK;
+    t.keys = min_i64(kBwdBlockK, p.len_k - t.k0);
+    t.key_vecs = ceil_div(t.keys, kLanes);
+    pack_transposed(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, s.kt);
+    pack_transposed(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, s.vt);
+    pack_padded_rows(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, 1.0f, plan.dim_pad,
+                     s.k_rows);
+    fill_zero(s.dk, kBwdBlockK * plan.dim_pad);
+    fill_zero(s.dv, kBwdBlockK * plan.dim_v_pad);
+    // Causal: queries before k0 see none of these keys.
+    const int64_t first_q = p.is_causal ? min_i64(p.len_q, t.k0) / kBwdBlockQ * kBwdBlockQ : 0;
+    for (int64_t g = 0; g < plan.group; ++g) {
+      t.head = t.hkv * plan.group + g;
+      for (t.q0 = first_q; t.q0 < p.len_q; t.q0 += kBwdBlockQ) {
+        t.rows = min_i64(kBwdBlockQ, p.len_q - t.q0);
+        float* dq_rows = dq_private + (g * p.len_q + t.q0) * plan.dim_pad;
+        backward_tile(bp, plan, t, delta, s, dq_rows);
+      }
+    }
+    write_rows(s.dk, plan.dim_pad, t.keys, p.head_dim, 1.0f,
+               bp.grad_k + t.batch * bp.grad_k_stride[0] + t.hkv * bp.grad_k_stride[1],
+               bp.grad_k_stride[2], bp.grad_k_stride[3], t.k0);
+    write_rows(s.dv, plan.dim_v_pad, t.keys, p.head_dim_v, 1.0f,
+               bp.grad_v + t.batch * bp.grad_v_stride[0] + t.hkv * bp.grad_v_stride[1],
+               bp.grad_v_stride[2], bp.grad_v_stride[3], t.k0);
+  }
+}
+
+float* grad_q_head(const AttentionBackwardParams& bp, int64_t batch, int64_t head) {
+  return bp.grad_q + batch * bp.grad_q_stride[0] + head * bp.grad_q_stride[1];
+}
+
+// dQ of one pair from its private accumulator(s): scale * sum over the pair's splits.
+void write_grad_q(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
+                  float* dq_first_split) {
+  const AttentionParams& p = bp.fwd;
+  const int64_t batch = pair / p.heads_kv, hkv = pair % p.heads_kv;
+  for (int64_t s = 1; s < plan.splits; ++s) {  // fold splits into the first (fixed order)
+    const float* other = dq_first_split + s * plan.dq_floats;
+    float* acc = dq_first_split;
+    for (int64_t i = 0; i < plan.dq_floats; i += kLanes)
+      store(acc + i, load(acc + i) + load(other + i));
+  }
+  for (int64_t g = 0; g < plan.group; ++g) {
+    write_rows(dq_first_split + g * p.len_q * plan.dim_pad, plan.dim_pad, p.len_q, p.head_dim,
+               p.scale, grad_q_head(bp, batch, hkv * plan.group + g), bp.grad_q_stride[2],
+               bp.grad_q_stride[3], 0);
+  }
+}
+
+void attention_backward_tiled(const AttentionBackwardParams& bp) {
+  const AttentionParams& p = bp.fwd;
+  if (p.batch == 0 || p.heads_q == 0) return;
+  const BackwardPlan plan = plan_backward(bp);
+  const int64_t per_thread = round_up(backward_scratch_floats(bp, plan), 16);
+  // Private dQ: one per thread when each pair is one item, else one per item (summed later).
+  const int64_t dq_buffers = plan.splits == 1 ? plan.threads : plan.items;
+  const int64_t delta_floats = p.batch * p.heads_q * p.len_q;
+  const int64_t total = per_thread * plan.threads + dq_buffers * plan.dq_floats + delta_floats;
+  // Allocated before the parallel region: a failure is std::bad_alloc for the caller.
+  float* base = workspace_alloc_floats(total);
+  float* delta = base + per_thread * plan.threads;
+  float* dq_all = delta + delta_floats;
+
+#pragma omp parallel num_threads(plan.threads)
+  {
+    const int thread = omp_get_thread_num();
+    BackwardScratch s = carve_backward_scratch(bp, plan, base + per_thread * thread);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) compute_delta_row(bp, bh, delta);
+
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < plan.items; ++item) {
+      const int64_t pair = item / plan.splits, split = item % plan.splits;
+      const int64_t begin = plan.key_tiles * split / plan.splits;
+      const int64_t end = plan.key_tiles * (split + 1) / plan.splits;
+      float* dq = dq_all + (plan.splits == 1 ? thread : item) * plan.dq_floats;
+      backward_item(bp, plan, pair, begin, end, delta, s, dq);
+      if (plan.splits == 1) write_grad_q(bp, plan, pair, dq);
+    }
+
+    if (plan.splits > 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t pair = 0; pair < plan.pairs; ++pair)
+        write_grad_q(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
+    }
+  }
+  workspace_free_floats(base, total);
+}
+
+}  // namespace
+}  // namespace npu_attn

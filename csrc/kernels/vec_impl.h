@@ -1,0 +1,183 @@
+// SIMD building blocks shared by the kernel families (forward, backward), compiled per ISA.
+//
+// Included by the ISA-neutral kernel headers after NPU_ATTN_VEC_BYTES is defined. Everything is
+// in an anonymous namespace, built from GCC vector extensions (no intrinsics, no std::
+// templates), so each ISA translation unit gets its own private copy and the linker can never
+// merge an AVX-512 instance into the scalar variant.
+#pragma once
+
+#ifndef NPU_ATTN_VEC_BYTES
+#error "define NPU_ATTN_VEC_BYTES before including vec_impl.h"
+#endif
+
+#include <cstdint>
+
+namespace npu_attn {
+namespace {
+
+// ---------------------------------------------------------------- vector primitives
+constexpr int kVecBytes = NPU_ATTN_VEC_BYTES;
+constexpr int kLanes = kVecBytes / static_cast<int>(sizeof(float));
+typedef float Vec __attribute__((vector_size(kVecBytes)));
+typedef int32_t IVec __attribute__((vector_size(kVecBytes)));
+typedef uint32_t UVec __attribute__((vector_size(kVecBytes)));
+
+constexpr float kNegInf = -__builtin_inff();
+
+// Vector helpers must always inline: a call per vector costs more than the work inside.
+#define NPU_ATTN_VEC_INLINE inline __attribute__((always_inline))
+
+// Unaligned, aliasing view of float memory as a vector: plain loads and stores that the
+// compiler keeps in registers (memcpy-based loads into arrays of vectors got spilled).
+typedef float UnalignedVec __attribute__((vector_size(kVecBytes), aligned(4), may_alias));
+NPU_ATTN_VEC_INLINE Vec load(const float* p) {
+  return *reinterpret_cast<const UnalignedVec*>(p);
+}
+NPU_ATTN_VEC_INLINE void store(float* p, Vec v) {
+  *reinterpret_cast<UnalignedVec*>(p) = v;
+}
+// Lane 0 shuffled to every lane: compiles to one broadcast (often folded into the FMA as a
+// {1toN} memory operand). "Vec{} + x" would be a real add the compiler must keep
+// (0 + -0 = +0), turning each broadcast into an add plus a shuffle on the FMA port.
+NPU_ATTN_VEC_INLINE Vec splat(float x) {
+  const Vec lane0 = {x};
+  return __builtin_shuffle(lane0, IVec{});
+}
+// max(x, acc) that ignores a NaN x: one vmaxps (which returns its second operand when either
+// is NaN). Row maxima therefore skip NaN scores; NaN still reaches the output through exp().
+NPU_ATTN_VEC_INLINE Vec max_ignoring_nan(Vec x, Vec acc) {
+  return x > acc ? x : acc;
+}
+
+// exp(x) for x <= 0 (all softmax arguments are <= 0 after subtracting the row max).
+// Cephes-style: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (max relative
+// error ~2 ulp), then 2^n added straight into the exponent bits. n comes from the
+// round-to-nearest magic constant 1.5*2^23, whose low mantissa bits hold n: shifting those bits
+// left by 23 gives n << 23 exactly, so no float->int conversion is needed.
+// Results below exp(-86) ~ 4e-38 are returned as exactly 0 (this keeps 2^n normal and makes
+// masked keys, -inf, contribute exactly nothing); NaN stays NaN through r and the polynomial,
+// so NaN inputs propagate like torch.
+NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
+  const Vec lowest = splat(-86.0f);
+  const Vec xc = lowest > x ? lowest : x;  // one maxps; keeps NaN
+  const Vec round_magic = splat(12582912.0f);
+  const Vec t = xc * splat(1.44269504088896341f) + round_magic;
+  const Vec n = t - round_magic;
+  Vec r = xc - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  UVec t_bits, p_bits;  // unsigned: the shift wraps by definition
+  __builtin_memcpy(&t_bits, &t, sizeof(t));
+  __builtin_memcpy(&p_bits, &p, sizeof(p));
+  p_bits += t_bits << 23;  // multiply by 2^n
+  Vec y;
+  __builtin_memcpy(&y, &p_bits, sizeof(y));
+  return x < lowest ? splat(0.0f) : y;
+}
+
+inline float exp_scalar(float x) {
+  return __builtin_expf(x);
+}
+
+NPU_ATTN_VEC_INLINE int64_t min_i64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+NPU_ATTN_VEC_INLINE int64_t max_i64(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+NPU_ATTN_VEC_INLINE int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+NPU_ATTN_VEC_INLINE int64_t ceil_div(int64_t x, int64_t m) {
+  return (x + m - 1) / m;
+}
+
+template <int N>
+struct Count {
+  static constexpr int value = N;
+};
+
+// Calls fn(Count<n>{}) for a runtime n in [1, Max]: turns a remainder into a template argument.
+template <int Max, typename Fn>
+NPU_ATTN_VEC_INLINE void with_count(int64_t n, Fn&& fn) {
+  if constexpr (Max >= 1) {
+    if (n == Max) {
+      fn(Count<Max>{});
+      return;
+    }
+    with_count<Max - 1>(n, fn);
+  }
+}
+
+// ---------------------------------------------------------------- register-blocked products
+// Register blocks: kBlockRows broadcast operands times up to kMaxBlockVecs vectors of columns.
+// 6 x 4 = 24 accumulators with AVX-512's 32 registers, 6 x 2 = 12 with 16 registers.
+constexpr int kBlockRows = 6;
+constexpr int kMaxBlockVecs = kVecBytes == 64 ? 4 : 2;
+
+// How the broadcast operand A(r, i) is laid out: a[r * lda + i] or a[r + i * lda]. A
+// compile-time choice keeps the compiler from versioning the inner loop on the strides.
+enum class ALayout { kRowMajor, kColMajor };
+
+// c[r][v-th vector] (+)= sum_i A(r, i) * b[i][v-th vector]: A broadcast one scalar at a time,
+// B read as rows of vectors. Every product of the attention kernels has this form.
+template <ALayout Layout, bool Accumulate, int Rows, int Vecs>
+void broadcast_fma_block(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth,
+                         float* c, int64_t ldc) {
+  const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
+  const int64_t depth_step = Layout == ALayout::kRowMajor ? 1 : lda;
+  Vec acc[Rows][Vecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v)
+      acc[r][v] = Accumulate ? load(c + r * ldc + v * kLanes) : splat(0.0f);
+  for (int64_t i = 0; i < depth; ++i) {
+    Vec bi[Vecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) bi[v] = load(b + i * ldb + v * kLanes);
+    const float* ai = a + i * depth_step;
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const Vec ar = splat(ai[r * row_step]);
+#pragma GCC unroll 4
+      for (int v = 0; v < Vecs; ++v) acc[r][v] += ar * bi[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+// Runs broadcast_fma_block over `rows` x `vecs`, choosing block shapes for remainders.
+template <ALayout Layout, bool Accumulate>
+void broadcast_fma(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth,
+                   int64_t rows, int64_t vecs, float* c, int64_t ldc) {
+  const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
+  for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {
+    with_count<kMaxBlockVecs>(min_i64(kMaxBlockVecs, vecs - v0), [&](auto block_vecs) {
+      constexpr int kVecs = decltype(block_vecs)::value;
+      const float* bv = b + v0 * kLanes;
+      float* cv = c + v0 * kLanes;
+      int64_t r = 0;
+      for (; r + kBlockRows <= rows; r += kBlockRows) {
+        broadcast_fma_block<Layout, Accumulate, kBlockRows, kVecs>(a + r * row_step, lda, bv, ldb,
+                                                                   depth, cv + r * ldc, ldc);
+      }
+      with_count<kBlockRows - 1>(rows - r, [&](auto n) {
+        broadcast_fma_block<Layout, Accumulate, decltype(n)::value, kVecs>(
+            a + r * row_step, lda, bv, ldb, depth, cv + r * ldc, ldc);
+      });
+    });
+  }
+}
+
+}  // namespace
+}  // namespace npu_attn
