@@ -5,6 +5,7 @@
 #include <Eigen/Dense>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -39,10 +40,14 @@ void check_view_consistent(const TensorView& t, const char* name) {
   }
 }
 
-void check_float_tensor(const TensorView& t, const char* name, size_t rank, const char* dims) {
+// `dtype` is the one the tensor must have (query's for key/value/out/gradients, float32 for
+// lse); `why` says where that requirement comes from.
+void check_tensor(const TensorView& t, const char* name, size_t rank, const char* dims, DType dtype,
+                  const char* why = "") {
   check_view_consistent(t, name);
-  if (t.dtype != DType::kFloat32) {
-    fail_type(std::string(name) + " must be float32, got " + dtype_name(t.dtype));
+  if (t.dtype != dtype) {
+    fail_type(std::string(name) + " must be " + dtype_name(dtype) + why + ", got " +
+              dtype_name(t.dtype));
   }
   if (t.shape.size() != rank) {
     std::ostringstream os;
@@ -143,9 +148,15 @@ const char* dtype_name(DType dtype) {
 }
 
 AttentionParams make_attention_params(const SdpaArguments& args) {
-  check_float_tensor(args.query, "query", 4, "(batch, heads, L_q, head_dim)");
-  check_float_tensor(args.key, "key", 4, "(batch, kv_heads, L_k, head_dim)");
-  check_float_tensor(args.value, "value", 4, "(batch, kv_heads, L_k, head_dim_v)");
+  const DType dtype = args.query.dtype;
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    check_view_consistent(args.query, "query");
+    fail_type(std::string("query must be float32, bfloat16 or float16, got ") + dtype_name(dtype));
+  }
+  const char* like_query = " (the same dtype as query)";
+  check_tensor(args.query, "query", 4, "(batch, heads, L_q, head_dim)", dtype);
+  check_tensor(args.key, "key", 4, "(batch, kv_heads, L_k, head_dim)", dtype, like_query);
+  check_tensor(args.value, "value", 4, "(batch, kv_heads, L_k, head_dim_v)", dtype, like_query);
   const auto& qs = args.query.shape;
   const auto& ks = args.key.shape;
   const auto& vs = args.value.shape;
@@ -182,11 +193,11 @@ AttentionParams make_attention_params(const SdpaArguments& args) {
     }
   }
 
-  check_float_tensor(args.out, "out", 4, "(batch, heads, L_q, head_dim_v)");
+  check_tensor(args.out, "out", 4, "(batch, heads, L_q, head_dim_v)", dtype, like_query);
   check_shape(args.out, "out", {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   check_writable(args.out, "out");
   if (args.lse) {
-    check_float_tensor(*args.lse, "lse", 3, "(batch, heads, L_q)");
+    check_tensor(*args.lse, "lse", 3, "(batch, heads, L_q)", DType::kFloat32);
     check_shape(*args.lse, "lse", {p.batch, p.heads_q, p.len_q});
     check_writable(*args.lse, "lse");
     check_addressable(*args.lse, "lse");
@@ -211,10 +222,13 @@ AttentionParams make_attention_params(const SdpaArguments& args) {
   }
   if (args.num_threads < 1) fail_value("num_threads must be >= 1");
 
-  p.q = static_cast<const float*>(args.query.data);
-  p.k = static_cast<const float*>(args.key.data);
-  p.v = static_cast<const float*>(args.value.data);
-  p.out = static_cast<float*>(args.out.data);
+  p.q = args.query.data;
+  p.k = args.key.data;
+  p.v = args.value.data;
+  p.out = args.out.data;
+  p.element = dtype == DType::kFloat32    ? ElementType::kFloat32
+              : dtype == DType::kBFloat16 ? ElementType::kBFloat16
+                                          : ElementType::kFloat16;
   copy4(p.q_stride, args.query.strides);
   copy4(p.k_stride, args.key.strides);
   copy4(p.v_stride, args.value.strides);
@@ -235,13 +249,15 @@ AttentionBackwardParams make_attention_backward_params(const SdpaBackwardArgumen
   const std::vector<int64_t> v_shape = {p.batch, p.heads_kv, p.len_k, p.head_dim_v};
   const std::vector<int64_t> o_shape = {p.batch, p.heads_q, p.len_q, p.head_dim_v};
 
-  check_float_tensor(args.grad_out, "grad_out", 4, "(batch, heads, L_q, head_dim_v)");
+  const DType dtype = args.forward.query.dtype;
+  const char* like_query = " (the same dtype as query)";
+  check_tensor(args.grad_out, "grad_out", 4, "(batch, heads, L_q, head_dim_v)", dtype, like_query);
   check_shape(args.grad_out, "grad_out", o_shape);
   check_addressable(args.grad_out, "grad_out");
-  bp.grad_out = static_cast<const float*>(args.grad_out.data);
+  bp.grad_out = args.grad_out.data;
   copy4(bp.grad_out_stride, args.grad_out.strides);
   if (args.grad_lse) {
-    check_float_tensor(*args.grad_lse, "grad_lse", 3, "(batch, heads, L_q)");
+    check_tensor(*args.grad_lse, "grad_lse", 3, "(batch, heads, L_q)", DType::kFloat32);
     check_shape(*args.grad_lse, "grad_lse", {p.batch, p.heads_q, p.len_q});
     check_addressable(*args.grad_lse, "grad_lse");
     bp.grad_lse = static_cast<const float*>(args.grad_lse->data);
@@ -252,18 +268,18 @@ AttentionBackwardParams make_attention_backward_params(const SdpaBackwardArgumen
     const TensorView& view;
     const char* name;
     const std::vector<int64_t>& shape;
-    float** data;
+    void** data;
     int64_t* strides;
   };
   for (const Output& o :
        {Output{args.grad_query, "grad_query", q_shape, &bp.grad_q, bp.grad_q_stride},
         Output{args.grad_key, "grad_key", k_shape, &bp.grad_k, bp.grad_k_stride},
         Output{args.grad_value, "grad_value", v_shape, &bp.grad_v, bp.grad_v_stride}}) {
-    check_float_tensor(o.view, o.name, 4, "(batch, heads, L, head_dim)");
+    check_tensor(o.view, o.name, 4, "(batch, heads, L, head_dim)", dtype, like_query);
     check_shape(o.view, o.name, o.shape);
     check_writable(o.view, o.name);
     check_addressable(o.view, o.name);
-    *o.data = static_cast<float*>(o.view.data);
+    *o.data = o.view.data;
     copy4(o.strides, o.view.strides);
   }
   return bp;
@@ -274,18 +290,57 @@ namespace {
 using Matrix = Eigen::MatrixXd;
 constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
 
-Matrix load_matrix(const float* base, int64_t rows, int64_t cols, int64_t row_stride,
-                   int64_t col_stride) {
+double element_at(const void* base, ElementType type, int64_t offset) {
+  switch (type) {
+    case ElementType::kFloat32:
+      return static_cast<const float*>(base)[offset];
+    case ElementType::kFloat16:
+      return static_cast<double>(static_cast<const _Float16*>(base)[offset]);
+    case ElementType::kBFloat16: {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[offset]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      return f;
+    }
+  }
+  return 0;
+}
+
+void set_element(void* base, ElementType type, int64_t offset, double value) {
+  const float f = static_cast<float>(value);
+  switch (type) {
+    case ElementType::kFloat32:
+      static_cast<float*>(base)[offset] = f;
+      return;
+    case ElementType::kFloat16:
+      static_cast<_Float16*>(base)[offset] = static_cast<_Float16>(f);
+      return;
+    case ElementType::kBFloat16: {
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof(bits));
+      const uint16_t rounded =
+          std::isnan(f) ? 0x7fc0 : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+      static_cast<uint16_t*>(base)[offset] = rounded;
+      return;
+    }
+  }
+}
+
+// A (rows x cols) matrix at element `offset` of a tensor of `type`, widened to double.
+Matrix load_matrix(const void* base, ElementType type, int64_t offset, int64_t rows, int64_t cols,
+                   int64_t row_stride, int64_t col_stride) {
   Matrix m(rows, cols);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t c = 0; c < cols; ++c) m(i, c) = base[i * row_stride + c * col_stride];
+    for (int64_t c = 0; c < cols; ++c)
+      m(i, c) = element_at(base, type, offset + i * row_stride + c * col_stride);
   return m;
 }
 
-void store_matrix(const Matrix& m, float* base, int64_t row_stride, int64_t col_stride) {
+void store_matrix(const Matrix& m, void* base, ElementType type, int64_t offset, int64_t row_stride,
+                  int64_t col_stride) {
   for (int64_t i = 0; i < m.rows(); ++i)
     for (int64_t c = 0; c < m.cols(); ++c)
-      base[i * row_stride + c * col_stride] = static_cast<float>(m(i, c));
+      set_element(base, type, offset + i * row_stride + c * col_stride, m(i, c));
 }
 
 // One head's Q, K, V and its probabilities P = softmax(scale Q K^T + mask) (rows with every key
@@ -298,11 +353,11 @@ struct ReferenceHead {
 ReferenceHead reference_head(const AttentionParams& p, int64_t b, int64_t h) {
   const int64_t hkv = h / (p.heads_q / p.heads_kv);
   ReferenceHead r;
-  r.Q = load_matrix(p.q + b * p.q_stride[0] + h * p.q_stride[1], p.len_q, p.head_dim, p.q_stride[2],
-                    p.q_stride[3]);
-  r.K = load_matrix(p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.len_k, p.head_dim,
+  r.Q = load_matrix(p.q, p.element, b * p.q_stride[0] + h * p.q_stride[1], p.len_q, p.head_dim,
+                    p.q_stride[2], p.q_stride[3]);
+  r.K = load_matrix(p.k, p.element, b * p.k_stride[0] + hkv * p.k_stride[1], p.len_k, p.head_dim,
                     p.k_stride[2], p.k_stride[3]);
-  r.V = load_matrix(p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.len_k, p.head_dim_v,
+  r.V = load_matrix(p.v, p.element, b * p.v_stride[0] + hkv * p.v_stride[1], p.len_k, p.head_dim_v,
                     p.v_stride[2], p.v_stride[3]);
   Matrix S = (r.Q * r.K.transpose()) * static_cast<double>(p.scale);
   for (int64_t i = 0; i < p.len_q; ++i) {
@@ -336,8 +391,8 @@ void attention_reference(const AttentionParams& p) {
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const ReferenceHead r = reference_head(p, b, h);
-      store_matrix(r.P * r.V, p.out + b * p.out_stride[0] + h * p.out_stride[1], p.out_stride[2],
-                   p.out_stride[3]);
+      store_matrix(r.P * r.V, p.out, p.element, b * p.out_stride[0] + h * p.out_stride[1],
+                   p.out_stride[2], p.out_stride[3]);
       if (p.lse) {
         for (int64_t i = 0; i < p.len_q; ++i) {
           p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
@@ -357,9 +412,9 @@ void attention_backward_reference(const AttentionBackwardParams& bp) {
       Matrix dK = Matrix::Zero(p.len_k, p.head_dim), dV = Matrix::Zero(p.len_k, p.head_dim_v);
       for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
         const ReferenceHead r = reference_head(p, b, h);
-        const Matrix dO =
-            load_matrix(bp.grad_out + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1],
-                        p.len_q, p.head_dim_v, bp.grad_out_stride[2], bp.grad_out_stride[3]);
+        const Matrix dO = load_matrix(
+            bp.grad_out, p.element, b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1], p.len_q,
+            p.head_dim_v, bp.grad_out_stride[2], bp.grad_out_stride[3]);
         const Matrix O = r.P * r.V;
         Eigen::VectorXd delta = (dO.array() * O.array()).rowwise().sum();
         if (bp.grad_lse) {
@@ -372,13 +427,13 @@ void attention_backward_reference(const AttentionBackwardParams& bp) {
         const Matrix dS = (r.P.array() * (dP.colwise() - delta).array()).matrix();
         dV += r.P.transpose() * dO;
         dK += dS.transpose() * r.Q * scale;
-        store_matrix(dS * r.K * scale,
-                     bp.grad_q + b * bp.grad_q_stride[0] + h * bp.grad_q_stride[1],
-                     bp.grad_q_stride[2], bp.grad_q_stride[3]);
+        store_matrix(dS * r.K * scale, bp.grad_q, p.element,
+                     b * bp.grad_q_stride[0] + h * bp.grad_q_stride[1], bp.grad_q_stride[2],
+                     bp.grad_q_stride[3]);
       }
-      store_matrix(dK, bp.grad_k + b * bp.grad_k_stride[0] + hkv * bp.grad_k_stride[1],
+      store_matrix(dK, bp.grad_k, p.element, b * bp.grad_k_stride[0] + hkv * bp.grad_k_stride[1],
                    bp.grad_k_stride[2], bp.grad_k_stride[3]);
-      store_matrix(dV, bp.grad_v + b * bp.grad_v_stride[0] + hkv * bp.grad_v_stride[1],
+      store_matrix(dV, bp.grad_v, p.element, b * bp.grad_v_stride[0] + hkv * bp.grad_v_stride[1],
                    bp.grad_v_stride[2], bp.grad_v_stride[3]);
     }
   }

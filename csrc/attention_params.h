@@ -16,15 +16,24 @@ enum class MaskKind : int32_t {
   kAdditive = 2,  // float32, added to the scaled scores
 };
 
+// The element type of q, k, v and out (and of the backward's gradients): all the same. The
+// kernels compute in float32 whatever it is. lse is always float32.
+enum class ElementType : int32_t {
+  kFloat32 = 0,
+  kBFloat16 = 1,
+  kFloat16 = 2,
+};
+
 // Element strides are signed: NumPy views may have negative strides, broadcast dims have 0.
 struct AttentionParams {
-  const float* q = nullptr;  // (batch, heads_q, len_q, head_dim)
-  const float* k = nullptr;  // (batch, heads_kv, len_k, head_dim)
-  const float* v = nullptr;  // (batch, heads_kv, len_k, head_dim_v)
-  float* out = nullptr;      // (batch, heads_q, len_q, head_dim_v)
-  float* lse = nullptr;      // optional (batch, heads_q, len_q): log-sum-exp of scaled scores
+  const void* q = nullptr;  // (batch, heads_q, len_q, head_dim)
+  const void* k = nullptr;  // (batch, heads_kv, len_k, head_dim)
+  const void* v = nullptr;  // (batch, heads_kv, len_k, head_dim_v)
+  void* out = nullptr;      // (batch, heads_q, len_q, head_dim_v)
+  ElementType element = ElementType::kFloat32;
+  float* lse = nullptr;  // optional (batch, heads_q, len_q): log-sum-exp of scaled scores
   const void* mask = nullptr;
-  MaskKind mask_kind = MaskKind::kNone;
+  MaskKind mask_kind = MaskKind::kNone;  // an additive mask is float32 whatever `element` is
 
   int64_t batch = 0;
   int64_t heads_q = 0;
@@ -48,15 +57,16 @@ struct AttentionParams {
 
 // Everything the backward kernel sees. `fwd` describes the forward call being differentiated:
 // its q, k, v, mask, scale, causal flag, threads, and its results `out` and `lse` (both read
-// here; lse is required). The gradients are written, every element, in float32.
+// here; lse is required). The gradients are written, every element.
 struct AttentionBackwardParams {
   AttentionParams fwd;
 
-  const float* grad_out = nullptr;  // (batch, heads_q, len_q, head_dim_v)
+  // grad_out and the three gradients have fwd.element's type; grad_lse is float32.
+  const void* grad_out = nullptr;   // (batch, heads_q, len_q, head_dim_v)
   const float* grad_lse = nullptr;  // optional (batch, heads_q, len_q): gradient of lse
-  float* grad_q = nullptr;          // (batch, heads_q, len_q, head_dim)
-  float* grad_k = nullptr;          // (batch, heads_kv, len_k, head_dim), summed over a GQA group
-  float* grad_v = nullptr;          // (batch, heads_kv, len_k, head_dim_v)
+  void* grad_q = nullptr;           // (batch, heads_q, len_q, head_dim)
+  void* grad_k = nullptr;           // (batch, heads_kv, len_k, head_dim), summed over a GQA group
+  void* grad_v = nullptr;           // (batch, heads_kv, len_k, head_dim_v)
 
   int64_t grad_out_stride[4] = {0, 0, 0, 0};
   int64_t grad_lse_stride[3] = {0, 0, 0};

@@ -124,23 +124,25 @@ void fill_zero(float* dst, int64_t count) {
 // ---------------------------------------------------------------- packing
 // Rows [first, first + count) of a (len, dim) strided matrix, times `factor`, into rows of
 // `padded` floats (zeros after `dim`).
-void pack_padded_rows(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+template <typename T>
+void pack_padded_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim,
                       int64_t first, int64_t count, float factor, int64_t padded, float* dst) {
   for (int64_t r = 0; r < count; ++r) {
-    const float* s = src + (first + r) * row_stride;
+    const T* s = src + (first + r) * row_stride;
     float* d = dst + r * padded;
-    for (int64_t c = 0; c < dim; ++c) d[c] = s[c * col_stride] * factor;
+    for (int64_t c = 0; c < dim; ++c) d[c] = to_float(s[c * col_stride]) * factor;
     for (int64_t c = dim; c < padded; ++c) d[c] = 0.0f;
   }
 }
 
 // The same rows transposed into a (dim x kBwdBlockK) matrix, zeros after `count` columns.
-void pack_transposed(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+template <typename T>
+void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim,
                      int64_t first, int64_t count, float* dst) {
   for (int64_t c = 0; c < dim; ++c) {
     float* d = dst + c * kBwdBlockK;
-    const float* s = src + first * row_stride + c * col_stride;
-    for (int64_t r = 0; r < count; ++r) d[r] = s[r * row_stride];
+    const T* s = src + first * row_stride + c * col_stride;
+    for (int64_t r = 0; r < count; ++r) d[r] = to_float(s[r * row_stride]);
     for (int64_t r = count; r < kBwdBlockK; ++r) d[r] = 0.0f;
   }
 }
@@ -153,17 +155,19 @@ struct TileCoords {
 };
 
 // Delta_i = sum_c dO[i][c] * O[i][c] - dlse_i for every (batch, head, query), into `delta`.
+template <typename T>
 void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* delta) {
   const AttentionParams& p = bp.fwd;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const float* o = p.out + b * p.out_stride[0] + h * p.out_stride[1];
-  const float* g = bp.grad_out + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1];
+  const T* o = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1];
+  const T* g =
+      static_cast<const T*>(bp.grad_out) + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1];
   for (int64_t i = 0; i < p.len_q; ++i) {
-    const float* oi = o + i * p.out_stride[2];
-    const float* gi = g + i * bp.grad_out_stride[2];
+    const T* oi = o + i * p.out_stride[2];
+    const T* gi = g + i * bp.grad_out_stride[2];
     float sum = 0.0f;
     for (int64_t c = 0; c < p.head_dim_v; ++c)
-      sum += oi[c * p.out_stride[3]] * gi[c * bp.grad_out_stride[3]];
+      sum += to_float(oi[c * p.out_stride[3]]) * to_float(gi[c * bp.grad_out_stride[3]]);
     if (bp.grad_lse != nullptr) {
       sum -= bp.grad_lse[b * bp.grad_lse_stride[0] + h * bp.grad_lse_stride[1] +
                          i * bp.grad_lse_stride[2]];
@@ -223,11 +227,13 @@ void probs_to_dscores(const TileCoords& t, const float* delta_rows, const float*
 }
 
 // All the work of one (query tile, key tile): accumulates into s.dk, s.dv and dq_rows.
+template <typename T>
 void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, const TileCoords& t,
                    const float* delta, BackwardScratch& s, float* dq_rows) {
   const AttentionParams& p = bp.fwd;
-  const float* q = p.q + t.batch * p.q_stride[0] + t.head * p.q_stride[1];
-  const float* g = bp.grad_out + t.batch * bp.grad_out_stride[0] + t.head * bp.grad_out_stride[1];
+  const T* q = static_cast<const T*>(p.q) + t.batch * p.q_stride[0] + t.head * p.q_stride[1];
+  const T* g = static_cast<const T*>(bp.grad_out) + t.batch * bp.grad_out_stride[0] +
+               t.head * bp.grad_out_stride[1];
   pack_padded_rows(q, p.q_stride[2], p.q_stride[3], p.head_dim, t.q0, t.rows, p.scale, plan.dim_pad,
                    s.q_rows);
   pack_padded_rows(g, bp.grad_out_stride[2], bp.grad_out_stride[3], p.head_dim_v, t.q0, t.rows,
@@ -250,16 +256,18 @@ void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
 }
 
 // Rows of an accumulator (rows x padded) into a strided (len, dim) gradient at row `first`.
-void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, float factor,
-                float* dst, int64_t row_stride, int64_t col_stride, int64_t first) {
+template <typename T>
+void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, float factor, T* dst,
+                int64_t row_stride, int64_t col_stride, int64_t first) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* a = acc + r * padded;
-    float* d = dst + (first + r) * row_stride;
-    for (int64_t c = 0; c < dim; ++c) d[c * col_stride] = a[c] * factor;
+    T* d = dst + (first + r) * row_stride;
+    for (int64_t c = 0; c < dim; ++c) d[c * col_stride] = from_float<T>(a[c] * factor);
   }
 }
 
 // One work item: key tiles [tile_begin, tile_end) of one (batch, kv-head) pair.
+template <typename T>
 void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
                    int64_t tile_begin, int64_t tile_end, const float* delta, BackwardScratch& s,
                    float* dq_private) {
@@ -267,8 +275,8 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
   TileCoords t{};
   t.batch = pair / p.heads_kv;
   t.hkv = pair % p.heads_kv;
-  const float* k = p.k + t.batch * p.k_stride[0] + t.hkv * p.k_stride[1];
-  const float* v = p.v + t.batch * p.v_stride[0] + t.hkv * p.v_stride[1];
+  const T* k = static_cast<const T*>(p.k) + t.batch * p.k_stride[0] + t.hkv * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + t.batch * p.v_stride[0] + t.hkv * p.v_stride[1];
   fill_zero(dq_private, plan.dq_floats);
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     t.k0 = tile * kBwdBlockK;
@@ -287,23 +295,27 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
       for (t.q0 = first_q; t.q0 < p.len_q; t.q0 += kBwdBlockQ) {
         t.rows = min_i64(kBwdBlockQ, p.len_q - t.q0);
         float* dq_rows = dq_private + (g * p.len_q + t.q0) * plan.dim_pad;
-        backward_tile(bp, plan, t, delta, s, dq_rows);
+        backward_tile<T>(bp, plan, t, delta, s, dq_rows);
       }
     }
-    write_rows(s.dk, plan.dim_pad, t.keys, p.head_dim, 1.0f,
-               bp.grad_k + t.batch * bp.grad_k_stride[0] + t.hkv * bp.grad_k_stride[1],
-               bp.grad_k_stride[2], bp.grad_k_stride[3], t.k0);
-    write_rows(s.dv, plan.dim_v_pad, t.keys, p.head_dim_v, 1.0f,
-               bp.grad_v + t.batch * bp.grad_v_stride[0] + t.hkv * bp.grad_v_stride[1],
-               bp.grad_v_stride[2], bp.grad_v_stride[3], t.k0);
+    write_rows(
+        s.dk, plan.dim_pad, t.keys, p.head_dim, 1.0f,
+        static_cast<T*>(bp.grad_k) + t.batch * bp.grad_k_stride[0] + t.hkv * bp.grad_k_stride[1],
+        bp.grad_k_stride[2], bp.grad_k_stride[3], t.k0);
+    write_rows(
+        s.dv, plan.dim_v_pad, t.keys, p.head_dim_v, 1.0f,
+        static_cast<T*>(bp.grad_v) + t.batch * bp.grad_v_stride[0] + t.hkv * bp.grad_v_stride[1],
+        bp.grad_v_stride[2], bp.grad_v_stride[3], t.k0);
   }
 }
 
-float* grad_q_head(const AttentionBackwardParams& bp, int64_t batch, int64_t head) {
-  return bp.grad_q + batch * bp.grad_q_stride[0] + head * bp.grad_q_stride[1];
+template <typename T>
+T* grad_q_head(const AttentionBackwardParams& bp, int64_t batch, int64_t head) {
+  return static_cast<T*>(bp.grad_q) + batch * bp.grad_q_stride[0] + head * bp.grad_q_stride[1];
 }
 
 // dQ of one pair from its private accumulator(s): scale * sum over the pair's splits.
+template <typename T>
 void write_grad_q(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
                   float* dq_first_split) {
   const AttentionParams& p = bp.fwd;
@@ -316,12 +328,13 @@ void write_grad_q(const AttentionBackwardParams& bp, const BackwardPlan& plan, i
   }
   for (int64_t g = 0; g < plan.group; ++g) {
     write_rows(dq_first_split + g * p.len_q * plan.dim_pad, plan.dim_pad, p.len_q, p.head_dim,
-               p.scale, grad_q_head(bp, batch, hkv * plan.group + g), bp.grad_q_stride[2],
+               p.scale, grad_q_head<T>(bp, batch, hkv * plan.group + g), bp.grad_q_stride[2],
                bp.grad_q_stride[3], 0);
   }
 }
 
-void attention_backward_tiled(const AttentionBackwardParams& bp) {
+template <typename T>
+void attention_backward_typed(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   if (p.batch == 0 || p.heads_q == 0) return;
   const BackwardPlan plan = plan_backward(bp);
@@ -340,7 +353,7 @@ void attention_backward_tiled(const AttentionBackwardParams& bp) {
     const int thread = omp_get_thread_num();
     BackwardScratch s = carve_backward_scratch(bp, plan, base + per_thread * thread);
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) compute_delta_row(bp, bh, delta);
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) compute_delta_row<T>(bp, bh, delta);
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < plan.items; ++item) {
@@ -348,17 +361,28 @@ void attention_backward_tiled(const AttentionBackwardParams& bp) {
       const int64_t begin = plan.key_tiles * split / plan.splits;
       const int64_t end = plan.key_tiles * (split + 1) / plan.splits;
       float* dq = dq_all + (plan.splits == 1 ? thread : item) * plan.dq_floats;
-      backward_item(bp, plan, pair, begin, end, delta, s, dq);
-      if (plan.splits == 1) write_grad_q(bp, plan, pair, dq);
+      backward_item<T>(bp, plan, pair, begin, end, delta, s, dq);
+      if (plan.splits == 1) write_grad_q<T>(bp, plan, pair, dq);
     }
 
     if (plan.splits > 1) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t pair = 0; pair < plan.pairs; ++pair)
-        write_grad_q(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
+        write_grad_q<T>(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
     }
   }
   workspace_free_floats(base, total);
+}
+
+void attention_backward_tiled(const AttentionBackwardParams& bp) {
+  switch (bp.fwd.element) {
+    case ElementType::kFloat32:
+      return attention_backward_typed<float>(bp);
+    case ElementType::kBFloat16:
+      return attention_backward_typed<BFloat16>(bp);
+    case ElementType::kFloat16:
+      return attention_backward_typed<_Float16>(bp);
+  }
 }
 
 }  // namespace

@@ -53,14 +53,15 @@ struct Tiling {
   int64_t pairs_per_chunk;
 };
 
+template <typename T>
 Tiling choose_tiling(const AttentionParams& p, int threads) {
   Tiling t{};
   // S^T tile (block_k x block_q floats, 128 KiB) stays in L2 next to the K and V rows.
   t.block_k = min_i64(512, max_i64(p.len_k, 1));
   t.num_k_tiles = ceil_div(p.len_k, t.block_k);
-  // The kernels read K and V as rows with unit stride along the head dim; only other layouts
-  // (e.g. a transposed view) need a packed copy.
-  t.pack_kv = p.k_stride[3] != 1 || p.v_stride[3] != 1;
+  // The kernels read float32 K and V as rows with unit stride along the head dim; only other
+  // layouts (e.g. a transposed view) and 16-bit types (converted once here) need a packed copy.
+  t.pack_kv = !__is_same(T, float) || p.k_stride[3] != 1 || p.v_stride[3] != 1;
   t.pair_floats = t.pack_kv ? p.len_k * (p.head_dim + p.head_dim_v) : 0;
 
   // 64 queries amortise streaming K and V; fewer when there would be too few tasks to keep
@@ -85,16 +86,17 @@ Tiling choose_tiling(const AttentionParams& p, int threads) {
 // ---------------------------------------------------------------- packing
 // Rows [first, first + count) of a (len, dim) matrix with strides (row, col) into dst, which
 // holds rows of exactly `dim` floats.
-void pack_rows(const float* src, int64_t row_stride, int64_t col_stride, int64_t dim, int64_t first,
+template <typename T>
+void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim, int64_t first,
                int64_t count, float* dst) {
   for (int64_t j = first; j < first + count; ++j) {
-    const float* s = src + j * row_stride;
+    const T* s = src + j * row_stride;
     float* d = dst + j * dim;
+    int64_t c = 0;
     if (col_stride == 1) {
-      for (int64_t c = 0; c < dim; ++c) d[c] = s[c];
-    } else {
-      for (int64_t c = 0; c < dim; ++c) d[c] = s[c * col_stride];
+      for (; c + kLanes <= dim; c += kLanes) store(d + c, load_as_float(s + c));
     }
+    for (; c < dim; ++c) d[c] = to_float(s[c * col_stride]);
   }
 }
 
@@ -172,10 +174,12 @@ NPU_ATTN_VEC_INLINE void transpose_block(Vec (&r)[kLanes]) {
   transpose_stage<kLanes / 2>(r);
 }
 
+template <typename T>
 void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& qt_tile,
                                     const Tiling& t, float* qt) {
-  const float* q_head = p.q + qt_tile.batch * p.q_stride[0] + qt_tile.head * p.q_stride[1];
-  const float* q_rows = q_head + qt_tile.q0 * p.q_stride[2];
+  const T* q_head =
+      static_cast<const T*>(p.q) + qt_tile.batch * p.q_stride[0] + qt_tile.head * p.q_stride[1];
+  const T* q_rows = q_head + qt_tile.q0 * p.q_stride[2];
   const int64_t si = p.q_stride[2], sd = p.q_stride[3];
   const int64_t lanes = qt_tile.vecs * kLanes;
   int64_t d_done = 0;
@@ -185,7 +189,7 @@ void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& q
     for (; d_done + kLanes <= p.head_dim; d_done += kLanes) {
       for (int64_t i0 = 0; i0 < lanes; i0 += kLanes) {
         Vec r[kLanes];
-        for (int i = 0; i < kLanes; ++i) r[i] = load(q_rows + (i0 + i) * si + d_done);
+        for (int i = 0; i < kLanes; ++i) r[i] = load_as_float(q_rows + (i0 + i) * si + d_done);
         transpose_block(r);
         for (int d = 0; d < kLanes; ++d) store(qt + (d_done + d) * t.block_q + i0, r[d] * scale);
       }
@@ -193,8 +197,8 @@ void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& q
   }
   for (int64_t d = d_done; d < p.head_dim; ++d) {
     float* row = qt + d * t.block_q;
-    const float* src = q_rows + d * sd;
-    for (int64_t i = 0; i < qt_tile.rows; ++i) row[i] = src[i * si] * p.scale;
+    const T* src = q_rows + d * sd;
+    for (int64_t i = 0; i < qt_tile.rows; ++i) row[i] = to_float(src[i * si]) * p.scale;
     for (int64_t i = qt_tile.rows; i < lanes; ++i) row[i] = 0.0f;
   }
 }
@@ -281,10 +285,11 @@ void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, Thr
   for (int v = 0; v < Vecs; ++v) store(ws.l + v * kLanes, load(ws.l + v * kLanes) + sum[v]);
 }
 
+template <typename T>
 void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
                   const ThreadScratch& ws) {
-  float* out_head = p.out + tile.batch * p.out_stride[0] + tile.head * p.out_stride[1];
-  float* out_rows = out_head + tile.q0 * p.out_stride[2];
+  T* out_head = static_cast<T*>(p.out) + tile.batch * p.out_stride[0] + tile.head * p.out_stride[1];
+  T* out_rows = out_head + tile.q0 * p.out_stride[2];
   const int64_t sc = p.out_stride[3], si = p.out_stride[2];
   // 1 / l per query; queries with every key masked have l == 0: output 0 like torch's SDPA.
   for (int64_t i = 0; i < tile.vecs * kLanes; ++i)
@@ -298,15 +303,15 @@ void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling&
         for (int c = 0; c < kLanes; ++c) r[c] = load(ws.ot + (c_done + c) * t.block_q + i0);
         transpose_block(r);
         for (int i = 0; i < kLanes; ++i) {
-          store(out_rows + (i0 + i) * si + c_done, r[i] * splat(ws.l[i0 + i]));
+          store_from_float(out_rows + (i0 + i) * si + c_done, r[i] * splat(ws.l[i0 + i]));
         }
       }
     }
   }
   for (int64_t i = 0; i < tile.rows; ++i) {
-    float* dst = out_rows + i * si;
+    T* dst = out_rows + i * si;
     for (int64_t c = c_done; c < p.head_dim_v; ++c) {
-      dst[c * sc] = ws.ot[c * t.block_q + i] * ws.l[i];
+      dst[c * sc] = from_float<T>(ws.ot[c * t.block_q + i] * ws.l[i]);
     }
   }
   if (p.lse != nullptr) {
@@ -326,10 +331,11 @@ struct KeyValueRows {
   int64_t v_row_stride;
 };
 
+template <typename T>
 void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRows& kv,
                     const QueryTile& tile, ThreadScratch& ws) {
   const int64_t ld = t.block_q;
-  load_scaled_queries_transposed(p, tile, t, ws.qt);
+  load_scaled_queries_transposed<T>(p, tile, t, ws.qt);
   for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
     ws.m[i] = kNegInf;
     ws.l[i] = 0.0f;
@@ -356,7 +362,7 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
                                               ws.ot, ld);
     }
   }
-  write_output(p, tile, t, ws);
+  write_output<T>(p, tile, t, ws);
 }
 
 // ---------------------------------------------------------------- driver
@@ -364,17 +370,21 @@ KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* p
                        int64_t pair) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   if (t.pack_kv) return {packed, p.head_dim, packed + p.len_k * p.head_dim, p.head_dim_v};
-  return {p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
-          p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2]};
+  // Only float32 is read in place (choose_tiling packs every other type).
+  const float* k = static_cast<const float*>(p.k);
+  const float* v = static_cast<const float*>(p.v);
+  return {k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
+          v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2]};
 }
 
-void attention_forward_tiled(const AttentionParams& p) {
+template <typename T>
+void attention_forward_typed(const AttentionParams& p) {
   if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t pairs = p.batch * p.heads_kv;
   const int64_t max_tasks = p.batch * p.heads_q * ceil_div(p.len_q, kLanes);
   const int threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_tasks));
-  const Tiling t = choose_tiling(p, threads);
+  const Tiling t = choose_tiling<T>(p, threads);
   const int64_t q_tiles = ceil_div(p.len_q, t.block_q);
 
   // All workspace is allocated here, outside the parallel region, so an allocation failure
@@ -404,10 +414,10 @@ void attention_forward_tiled(const AttentionParams& p) {
         const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
         float* k_rows = packed + local * t.pair_floats;
         float* v_rows = k_rows + p.len_k * p.head_dim;
-        pack_rows(p.k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2], p.k_stride[3],
-                  p.head_dim, k0, count, k_rows);
-        pack_rows(p.v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2], p.v_stride[3],
-                  p.head_dim_v, k0, count, v_rows);
+        pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1],
+                  p.k_stride[2], p.k_stride[3], p.head_dim, k0, count, k_rows);
+        pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1],
+                  p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, v_rows);
       }
       // Phase 2: every (pair, q-head of its group, query tile) is an independent task.
 #pragma omp for schedule(dynamic, 1)
@@ -421,12 +431,23 @@ void attention_forward_tiled(const AttentionParams& p) {
         tile.q0 = (rest % q_tiles) * t.block_q;
         tile.rows = min_i64(t.block_q, p.len_q - tile.q0);
         tile.vecs = ceil_div(tile.rows, kLanes);
-        run_query_tile(p, t, pair_rows(p, t, packed + local * t.pair_floats, pair), tile, ws);
+        run_query_tile<T>(p, t, pair_rows(p, t, packed + local * t.pair_floats, pair), tile, ws);
       }
     }
   }
   workspace_free_floats(scratch, per_thread * threads);
   workspace_free_floats(packed, chunk_floats);
+}
+
+void attention_forward_tiled(const AttentionParams& p) {
+  switch (p.element) {
+    case ElementType::kFloat32:
+      return attention_forward_typed<float>(p);
+    case ElementType::kBFloat16:
+      return attention_forward_typed<BFloat16>(p);
+    case ElementType::kFloat16:
+      return attention_forward_typed<_Float16>(p);
+  }
 }
 
 }  // namespace

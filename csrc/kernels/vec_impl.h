@@ -115,6 +115,81 @@ NPU_ATTN_VEC_INLINE void with_count(int64_t n, Fn&& fn) {
   }
 }
 
+// ---------------------------------------------------------------- element types
+// Tensors may hold float32, bfloat16 or float16; the kernels always compute in float32 and
+// convert when they pack inputs and write results. bfloat16 is the top half of a float32;
+// float16 uses the compiler's _Float16 (F16C's vcvtph2ps/vcvtps2ph when built with -mf16c,
+// libgcc's software conversion on the portable variant).
+struct BFloat16 {
+  uint16_t bits;
+};
+
+NPU_ATTN_VEC_INLINE float to_float(float x) {
+  return x;
+}
+NPU_ATTN_VEC_INLINE float to_float(_Float16 x) {
+  return static_cast<float>(x);
+}
+NPU_ATTN_VEC_INLINE float to_float(BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Round to nearest even; NaN stays a (quiet) NaN instead of rounding up into infinity.
+NPU_ATTN_VEC_INLINE uint16_t bfloat16_bits(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  if (x != x) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+NPU_ATTN_VEC_INLINE T from_float(float x) {
+  if constexpr (__is_same(T, BFloat16)) {
+    return BFloat16{bfloat16_bits(x)};
+  } else {
+    return static_cast<T>(x);
+  }
+}
+
+typedef _Float16 UnalignedHalfVec
+    __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
+typedef uint16_t UnalignedU16Vec __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
+typedef uint16_t U16Vec __attribute__((vector_size(kVecBytes / 2)));
+
+// kLanes consecutive elements of type T as a float vector.
+template <typename T>
+NPU_ATTN_VEC_INLINE Vec load_as_float(const T* p) {
+  if constexpr (__is_same(T, float)) {
+    return load(p);
+  } else if constexpr (__is_same(T, _Float16)) {
+    return __builtin_convertvector(*reinterpret_cast<const UnalignedHalfVec*>(p), Vec);
+  } else {
+    const UVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedU16Vec*>(p), UVec)
+                      << 16;
+    Vec v;
+    __builtin_memcpy(&v, &bits, sizeof(v));
+    return v;
+  }
+}
+
+template <typename T>
+NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
+  if constexpr (__is_same(T, float)) {
+    store(p, v);
+  } else if constexpr (__is_same(T, _Float16)) {
+    *reinterpret_cast<UnalignedHalfVec*>(p) = __builtin_convertvector(v, UnalignedHalfVec);
+  } else {
+    UVec bits;
+    __builtin_memcpy(&bits, &v, sizeof(bits));
+    UVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    rounded = v != v ? UVec{} + 0x7fc0u : rounded;
+    *reinterpret_cast<UnalignedU16Vec*>(p) = __builtin_convertvector(rounded, U16Vec);
+  }
+}
+
 // ---------------------------------------------------------------- register-blocked products
 // Register blocks: kBlockRows broadcast operands times up to kMaxBlockVecs vectors of columns.
 // 6 x 4 = 24 accumulators with AVX-512's 32 registers, 6 x 2 = 12 with 16 registers.

@@ -29,13 +29,18 @@ from . import _C, _runtime
 _BLOCK_BYTES = 64 << 20
 
 
+def _kernel_mask(attn_mask):
+    """The mask as the kernel takes it: bool, or float32 (a float16/bfloat16 mask is widened;
+    masks are usually broadcast (B, 1, 1, Lk) or (Lq, Lk), so this copy is small)."""
+    if attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32):
+        return attn_mask
+    return attn_mask.float()
+
+
 def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    """(out, lse) from the C++ kernel; float16/bfloat16 are computed in float32."""
-    result_dtype = query.dtype
-    if query.dtype in (torch.float16, torch.bfloat16):
-        query, key, value = query.float(), key.float(), value.float()
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.float()
+    """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
+    written in place by the kernel, which computes in float32 (lse is always float32)."""
+    attn_mask = _kernel_mask(attn_mask)
     b, hq, lq, _ = query.shape
     out = torch.empty((b, lq, hq, value.shape[-1]), dtype=query.dtype).transpose(1, 2)
     lse = torch.empty((b, hq, lq), dtype=torch.float32)
@@ -54,8 +59,6 @@ def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         enable_gqa=enable_gqa,
         num_threads=_runtime.get_num_threads(),
     )
-    if result_dtype != out.dtype:
-        out = out.to(result_dtype)
     return out, lse
 
 
@@ -81,42 +84,35 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 # --------------------------------------------------------------------------- backward
-def _as_float32(tensor):
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
-
-
 def backward_cpu(
     grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
 ):
-    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtypes.
-
-    float16/bfloat16 tensors are widened to float32 for the kernel (which accumulates in float32)
-    and the gradients rounded back, like the forward."""
-    q, k, v = _as_float32(query.detach()), _as_float32(key.detach()), _as_float32(value.detach())
-    mask = attn_mask
-    if mask is not None:
-        mask = mask.detach() if mask.dtype == torch.bool else _as_float32(mask.detach())
-    grad_q = torch.empty(q.shape, dtype=torch.float32)
-    grad_k = torch.empty(k.shape, dtype=torch.float32)
-    grad_v = torch.empty(v.shape, dtype=torch.float32)
+    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtype (float32, bfloat16
+    or float16 read and written directly; the kernel accumulates in float32)."""
+    mask = _kernel_mask(attn_mask)
+    grad_q = torch.empty_like(query, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(key, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(value, memory_format=torch.contiguous_format)
+    if grad_out.dtype != query.dtype:
+        grad_out = grad_out.to(query.dtype)
     _C.backward(
-        to_dlpack(q),
-        to_dlpack(k),
-        to_dlpack(v),
-        to_dlpack(_as_float32(out.detach())),
+        to_dlpack(query.detach()),
+        to_dlpack(key.detach()),
+        to_dlpack(value.detach()),
+        to_dlpack(out.detach()),
         to_dlpack(lse.detach()),
-        to_dlpack(_as_float32(grad_out.detach())),
+        to_dlpack(grad_out.detach()),
         to_dlpack(grad_q),
         to_dlpack(grad_k),
         to_dlpack(grad_v),
-        attn_mask=None if mask is None else to_dlpack(mask),
-        grad_lse=None if grad_lse is None else to_dlpack(_as_float32(grad_lse.detach())),
+        attn_mask=None if mask is None else to_dlpack(mask.detach()),
+        grad_lse=None if grad_lse is None else to_dlpack(grad_lse.detach().float()),
         scale=scale,
         is_causal=is_causal,
         enable_gqa=enable_gqa,
         num_threads=_runtime.get_num_threads(),
     )
-    return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
+    return grad_q, grad_k, grad_v
 
 
 def _mask_rows(attn_mask, i0, i1):

@@ -254,7 +254,9 @@ TEST_F(ValidBackward, RejectsBroadcastOutputsAndWrongDtypes) {
   EXPECT_NE(error_of(args).find("grad_query has overlapping memory"), std::string::npos);
   args = pr.args;
   args.grad_value.dtype = DType::kFloat64;
-  EXPECT_NE(error_of(args).find("grad_value must be float32, got float64"), std::string::npos);
+  EXPECT_NE(
+      error_of(args).find("grad_value must be float32 (the same dtype as query), got float64"),
+      std::string::npos);
   args = pr.args;
   args.grad_lse = pr.grad_out.view(DType::kFloat32);
   EXPECT_NE(error_of(args).find("grad_lse must have 3 dimensions"), std::string::npos);

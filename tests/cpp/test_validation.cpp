@@ -49,9 +49,27 @@ TEST(Validation, AcceptsValidArguments) {
 }
 
 TEST(Validation, RejectsWrongDtypes) {
-  expect_error([](auto& a) { a.query.dtype = DType::kFloat64; }, K::kType, "query must be float32");
-  expect_error([](auto& a) { a.value.dtype = DType::kOther; }, K::kType, "value must be float32");
-  expect_error([](auto& a) { a.out.dtype = DType::kFloat16; }, K::kType, "out must be float32");
+  expect_error([](auto& a) { a.query.dtype = DType::kFloat64; }, K::kType,
+               "query must be float32, bfloat16 or float16, got float64");
+  expect_error([](auto& a) { a.value.dtype = DType::kOther; }, K::kType,
+               "value must be float32 (the same dtype as query), got an unsupported dtype");
+  expect_error([](auto& a) { a.out.dtype = DType::kFloat16; }, K::kType,
+               "out must be float32 (the same dtype as query), got float16");
+  expect_error([](auto& a) { a.lse->dtype = DType::kBFloat16; }, K::kType,
+               "lse must be float32, got bfloat16");
+}
+
+TEST(Validation, AcceptsSixteenBitTypesWhenEveryTensorAgrees) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    Valid valid;
+    for (TensorView* t : {&valid.args.query, &valid.args.key, &valid.args.value, &valid.args.out})
+      t->dtype = dtype;
+    const AttentionParams p = make_attention_params(valid.args);
+    EXPECT_EQ(p.element,
+              dtype == DType::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16);
+    valid.args.key.dtype = DType::kFloat32;
+    EXPECT_THROW(make_attention_params(valid.args), ArgumentError);
+  }
 }
 
 TEST(Validation, RejectsNonCpuTensors) {

@@ -1,0 +1,139 @@
+// bfloat16 and float16 tensors: the kernels read and write them directly (computing in float32)
+// and must agree with the double-precision reference given the same 16-bit inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "attention.h"
+#include "attention_cases.h"
+#include "dispatch.h"
+#include "test_support.h"
+
+namespace npu_attn::testing {
+namespace {
+
+using HalfTensor = OwnedTensor<uint16_t>;  // raw bfloat16 or float16 bits
+
+uint16_t to_bits(float x, DType dtype) {
+  if (dtype == DType::kFloat16) {
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t bits;
+    std::memcpy(&bits, &h, sizeof(bits));
+    return bits;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+float from_bits(uint16_t bits, DType dtype) {
+  if (dtype == DType::kFloat16) {
+    _Float16 h;
+    std::memcpy(&h, &bits, sizeof(h));
+    return static_cast<float>(h);
+  }
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// Same shape and memory layout as `t`, values rounded to `dtype`.
+HalfTensor narrow(const FloatTensor& t, DType dtype) {
+  HalfTensor h;
+  h.shape = t.shape;
+  h.strides = t.strides;
+  h.storage.resize(t.storage.size());
+  for (size_t i = 0; i < t.storage.size(); ++i) h.storage[i] = to_bits(t.storage[i], dtype);
+  return h;
+}
+
+FloatTensor widen(const HalfTensor& h, DType dtype) {
+  FloatTensor t;
+  t.shape = h.shape;
+  t.strides = h.strides;
+  t.storage.resize(h.storage.size());
+  for (size_t i = 0; i < h.storage.size(); ++i) t.storage[i] = from_bits(h.storage[i], dtype);
+  return t;
+}
+
+// One unit in the last place at magnitude 1: results are rounded to the 16-bit type, so the
+// kernel and the reference may differ by one rounding step of the largest value (plus float32
+// vs double accumulation, far smaller).
+double unit_roundoff(DType dtype) {
+  return dtype == DType::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
+}
+
+class LowPrecision : public ::testing::TestWithParam<Isa> {};
+
+std::vector<Case> low_precision_shapes() {
+  std::vector<Case> cases = {
+      {2, 2, 2, 67, 67, 40, 40},     {2, 2, 2, 130, 77, 80, 80}, {1, 2, 2, 70, 90, 59, 59},
+      {1, 8, 2, 90, 120, 64, 64},    {1, 1, 1, 1, 1, 64, 64},    {1, 2, 2, 100, 100, 40, 72},
+      {2, 4, 4, 200, 200, 128, 128},
+  };
+  cases[1].mask = MaskCase::kBoolKeyPadding;
+  cases[2].mask = MaskCase::kAdditiveHeads;
+  cases[3].causal = true;
+  cases[5].layout = Layout::kBSHD;
+  cases[6].layout = Layout::kBHDS;
+  return cases;
+}
+
+TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (const Case& c : low_precision_shapes()) {
+      SCOPED_TRACE(c.describe() + " " + dtype_name(dtype) + " isa=" + isa_name(GetParam()));
+      Problem pr;
+      build(c, pr, 7);
+      HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
+      HalfTensor out = narrow(pr.out, dtype), ref_out = narrow(pr.ref_out, dtype);
+      SdpaArguments args = pr.args;
+      args.query = q.view(dtype);
+      args.key = k.view(dtype);
+      args.value = v.view(dtype);
+      args.out = out.view(dtype);
+      run_attention_forward(make_attention_params(args), GetParam());
+      SdpaArguments ref_args = args;
+      ref_args.out = ref_out.view(dtype);
+      ref_args.lse = pr.ref_lse.view(DType::kFloat32);
+      attention_reference(make_attention_params(ref_args));
+      const FloatTensor got = widen(out, dtype), want = widen(ref_out, dtype);
+      EXPECT_LE(max_abs_diff(got, want), unit_roundoff(dtype) * std::max(1.0, max_abs(want)));
+
+      // Backward from the kernel's own forward results.
+      FloatTensor grad_out_f({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order_for(c.layout));
+      fill_normal(grad_out_f, 31);
+      HalfTensor grad_out = narrow(grad_out_f, dtype);
+      HalfTensor dq = narrow(pr.q, dtype), dk = narrow(pr.k, dtype), dv = narrow(pr.v, dtype);
+      HalfTensor ref_dq = dq, ref_dk = dk, ref_dv = dv;
+      SdpaBackwardArguments bwd;
+      bwd.forward = args;
+      bwd.grad_out = grad_out.view(dtype);
+      bwd.grad_query = dq.view(dtype);
+      bwd.grad_key = dk.view(dtype);
+      bwd.grad_value = dv.view(dtype);
+      run_attention_backward(make_attention_backward_params(bwd), GetParam());
+      bwd.grad_query = ref_dq.view(dtype);
+      bwd.grad_key = ref_dk.view(dtype);
+      bwd.grad_value = ref_dv.view(dtype);
+      attention_backward_reference(make_attention_backward_params(bwd));
+      for (auto [mine, ref] : {std::pair{&dq, &ref_dq}, {&dk, &ref_dk}, {&dv, &ref_dv}}) {
+        const FloatTensor a = widen(*mine, dtype), b = widen(*ref, dtype);
+        // The reference recomputes P in double, the kernel from the 16-bit-rounded output
+        // (Delta = rowsum(dO * O)); two roundings of the gradient's scale are allowed.
+        EXPECT_LE(max_abs_diff(a, b), 2 * unit_roundoff(dtype) * std::max(1.0, max_abs(b)));
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, LowPrecision, ::testing::ValuesIn(runnable_isas()),
+                         [](const ::testing::TestParamInfo<Isa>& info) {
+                           return std::string(isa_name(info.param));
+                         });
+
+}  // namespace
+}  // namespace npu_attn::testing
