@@ -144,7 +144,8 @@ npu_attn::SdpaArguments collect_arguments(py::handle query, py::handle key, py::
 npu_attn::Isa isa_from_name(const std::string& name) {
   const auto isa = npu_attn::parse_isa(name);
   if (!isa)
-    throw py::value_error("unknown kernel variant '" + name + "'; expected scalar, avx2 or avx512");
+    throw py::value_error("unknown kernel variant '" + name + "'; expected one of " +
+                          npu_attn::isa_choices());
   return *isa;
 }
 

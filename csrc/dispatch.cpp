@@ -4,6 +4,14 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels/kernels.h"
 
 namespace npu_attn {
@@ -21,6 +29,28 @@ bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && cpu_has_avx2();
 }
+bool cpu_has_avx512_bf16() {
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+// AMX needs the CPU feature bits and, on Linux 5.16+, the process's permission to use the tile
+// data state (arch_prctl ARCH_REQ_XCOMP_PERM), requested once here. Without the permission the
+// first tile instruction would kill the process with SIGILL, so no permission = no AMX.
+bool cpu_has_amx_bf16() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    if (!tile || !bf16) return false;
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
 #else
 bool cpu_has_avx2() {
   return false;
@@ -28,7 +58,16 @@ bool cpu_has_avx2() {
 bool cpu_has_avx512() {
   return false;
 }
+bool cpu_has_avx512_bf16() {
+  return false;
+}
+bool cpu_has_amx_bf16() {
+  return false;
+}
 #endif
+
+constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16,
+                            Isa::kAmxBf16};
 
 }  // namespace
 
@@ -40,14 +79,24 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAvx512Bf16:
+      return "avx512_bf16";
+    case Isa::kAmxBf16:
+      return "amx_bf16";
   }
   return "unknown";
 }
 
 std::optional<Isa> parse_isa(const std::string& name) {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+  for (Isa isa : kAllIsas)
     if (name == isa_name(isa)) return isa;
   return std::nullopt;
+}
+
+std::string isa_choices() {
+  std::string out;
+  for (Isa isa : kAllIsas) out += std::string(out.empty() ? "" : ", ") + isa_name(isa);
+  return out;
 }
 
 bool isa_compiled(Isa isa) {
@@ -60,6 +109,8 @@ bool isa_compiled(Isa isa) {
 #endif
 #if defined(NPU_ATTN_HAVE_AVX512)
     case Isa::kAvx512:
+    case Isa::kAvx512Bf16:
+    case Isa::kAmxBf16:
       return true;
 #endif
     default:
@@ -75,13 +126,17 @@ bool isa_supported_by_cpu(Isa isa) {
       return cpu_has_avx2();
     case Isa::kAvx512:
       return cpu_has_avx512();
+    case Isa::kAvx512Bf16:
+      return cpu_has_avx512_bf16();
+    case Isa::kAmxBf16:
+      return cpu_has_amx_bf16();
   }
   return false;
 }
 
 std::vector<Isa> compiled_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512})
+  for (Isa isa : kAllIsas)
     if (isa_compiled(isa)) out.push_back(isa);
   return out;
 }
@@ -94,7 +149,9 @@ std::vector<Isa> runnable_isas() {
 }
 
 Isa best_isa() {
-  return runnable_isas().back();
+  for (Isa isa : {Isa::kAmxBf16, Isa::kAvx512, Isa::kAvx2})
+    if (isa_compiled(isa) && isa_supported_by_cpu(isa)) return isa;
+  return Isa::kScalar;
 }
 
 Isa select_isa_from_environment() {
@@ -103,7 +160,7 @@ Isa select_isa_from_environment() {
   const std::optional<Isa> isa = parse_isa(requested);
   if (!isa) {
     throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
-                             "' is not a kernel variant; expected one of scalar, avx2, avx512");
+                             "' is not a kernel variant; expected one of " + isa_choices());
   }
   if (!isa_compiled(*isa)) {
     throw std::runtime_error(std::string("NPU_ATTN_ISA='") + requested +
@@ -147,6 +204,12 @@ void run_attention_forward(const AttentionParams& params, Isa isa) {
   }
   switch (isa) {
 #if defined(NPU_ATTN_HAVE_AVX512)
+    case Isa::kAvx512Bf16:
+      kernels::attention_forward_avx512_bf16(params);
+      return;
+    case Isa::kAmxBf16:
+      kernels::attention_forward_amx_bf16(params);
+      return;
     case Isa::kAvx512:
       kernels::attention_forward_avx512(params);
       return;
@@ -177,6 +240,8 @@ void run_attention_backward(const AttentionBackwardParams& params, Isa isa) {
   switch (isa) {
 #if defined(NPU_ATTN_HAVE_AVX512)
     case Isa::kAvx512:
+    case Isa::kAvx512Bf16:  // the backward has no bfloat16 dot-product variant (yet)
+    case Isa::kAmxBf16:
       kernels::attention_backward_avx512(params);
       return;
 #endif
@@ -202,6 +267,8 @@ double measure_fma_peak_gflops(Isa isa, int threads, double seconds) {
   switch (isa) {
 #if defined(NPU_ATTN_HAVE_AVX512)
     case Isa::kAvx512:
+    case Isa::kAvx512Bf16:  // float32 FMA peak: the denominator for float32 kernels
+    case Isa::kAmxBf16:
       return kernels::fma_peak_gflops_avx512(threads, seconds);
 #endif
 #if defined(NPU_ATTN_HAVE_AVX2)

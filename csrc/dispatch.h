@@ -11,10 +11,16 @@
 
 namespace npu_attn {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Bf16 and kAmxBf16 are avx512 plus a bfloat16 forward kernel on AVX-512-BF16 dot
+// products or on AMX tiles. best_isa() prefers amx_bf16, then avx512; avx512_bf16 is only used
+// when asked for: vdpbf16ps issues at half the rate of FMA on the CPUs we know, so it was
+// measured slower than widening to float32 (BENCHMARKS.md).
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
 const char* isa_name(Isa isa);
-std::optional<Isa> parse_isa(const std::string& name);  // "scalar" | "avx2" | "avx512"
+// "scalar" | "avx2" | "avx512" | "avx512_bf16" | "amx_bf16"
+std::optional<Isa> parse_isa(const std::string& name);
+std::string isa_choices();  // "scalar, avx2, avx512, avx512_bf16, amx_bf16", for messages
 
 bool isa_compiled(Isa isa);
 bool isa_supported_by_cpu(Isa isa);

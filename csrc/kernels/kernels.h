@@ -18,6 +18,11 @@ double fma_peak_gflops_avx2(int threads, double seconds);
 #if defined(NPU_ATTN_HAVE_AVX512)
 void attention_forward_avx512(const AttentionParams& params);
 void attention_backward_avx512(const AttentionBackwardParams& params);
+// The avx512 kernels, except bfloat16 forward, which uses AVX-512-BF16 dot products.
+void attention_forward_avx512_bf16(const AttentionParams& params);
+// The avx512 kernels, except bfloat16 forward, which runs on AMX tiles. Needs the OS permission
+// for AMX state (dispatch.cpp asks for it).
+void attention_forward_amx_bf16(const AttentionParams& params);
 double fma_peak_gflops_avx512(int threads, double seconds);
 #endif
 

@@ -54,7 +54,9 @@ def get_num_threads() -> int:
 
 
 def active_isa() -> str:
-    """Name of the kernel variant in use: ``"scalar"``, ``"avx2"`` or ``"avx512"``."""
+    """Name of the kernel variant in use: ``"scalar"``, ``"avx2"``, ``"avx512"``,
+    ``"avx512_bf16"`` or ``"amx_bf16"`` (avx512 plus a bfloat16 forward on AVX-512-BF16 dot
+    products or on AMX tiles)."""
     return _C.active_isa()
 
 
@@ -65,8 +67,9 @@ def available_isas() -> list[str]:
 
 def set_isa(name: str) -> None:
     """Switch the kernel variant (e.g. to compare variants). Raises if this CPU cannot run it."""
-    if name not in ("scalar", "avx2", "avx512"):
-        raise ValueError(f"isa must be one of 'scalar', 'avx2', 'avx512', got {name!r}")
+    known = ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16")
+    if name not in known:
+        raise ValueError(f"isa must be one of {', '.join(map(repr, known))}, got {name!r}")
     _C.set_isa(name)
 
 

@@ -5,7 +5,7 @@
 #  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers.
 # OBJECTS is a list of "isa=path/to/object.o" entries.
 foreach(entry ${OBJECTS})
-  string(REGEX MATCH "^([a-z0-9]+)=(.*)$" _ "${entry}")
+  string(REGEX MATCH "^([a-z0-9_]+)=(.*)$" _ "${entry}")
   set(isa "${CMAKE_MATCH_1}")
   set(object "${CMAKE_MATCH_2}")
   execute_process(COMMAND ${NM} --defined-only ${object} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
@@ -26,7 +26,7 @@ foreach(entry ${OBJECTS})
   if(isa STREQUAL "avx2" AND asm MATCHES "%zmm")
     message(FATAL_ERROR "avx2: object contains AVX-512 (zmm) instructions")
   endif()
-  if(isa STREQUAL "avx512" AND NOT asm MATCHES "%zmm")
+  if(isa MATCHES "^avx512" AND NOT asm MATCHES "%zmm")
     message(FATAL_ERROR "avx512: object contains no zmm instructions; were the flags applied?")
   endif()
   message(STATUS "${isa}: ok (${object})")

@@ -1,0 +1,17 @@
+// amx_bf16 variant: the avx512 kernels plus the bfloat16 forward on AMX tiles. Built with the
+// avx512 flags and -mavx512bf16 -mamx-tile -mamx-bf16.
+#define NPU_ATTN_VEC_BYTES 64
+#include "attention_forward_amx_impl.h"
+#include "kernels.h"
+
+namespace npu_attn::kernels {
+
+void attention_forward_amx_bf16(const AttentionParams& params) {
+  if (params.element == ElementType::kBFloat16) {
+    attention_forward_bf16_amx(params);
+  } else {
+    attention_forward_tiled(params);
+  }
+}
+
+}  // namespace npu_attn::kernels

@@ -1,0 +1,348 @@
+// bfloat16 attention forward on AVX-512-BF16: both products use vdpbf16ps, which multiplies
+// pairs of bfloat16 values and accumulates in float32 (twice the multiply rate of float32 FMA).
+//
+// Same algorithm and blocking as the float32 kernel (attention_forward_impl.h, whose tiling,
+// masking, online softmax bookkeeping and output code this file reuses): vectorised along
+// queries, one float32 lane per query. vdpbf16ps reduces over *pairs*, so the operands are
+// stored as 32-bit words holding two bfloat16 values adjacent along the reduced dimension:
+//     Q pairs   (head_dim/2 x queries)   word = (Q[q][2p], Q[q][2p+1])   from the query rows
+//     K rows    (keys x head_dim/2)      word = (K[j][2p], K[j][2p+1])   K read in place
+//     P pairs   (keys/2 x queries)       word = (P[2i][q], P[2i+1][q])   written by the softmax
+//     V pairs   (keys/2 x head_dim_v)    word = (V[2i][c], V[2i+1][c])   packed once per pair
+//   S^T[j][q]  = sum_p K[j][p] . Qp[p][q]       then * scale, mask, online softmax (float32)
+//   O^T[c][q] += sum_i Vp[i][c] . Pp[i][q]
+// Accumulation, softmax and the output are float32; P is rounded to bfloat16 before the second
+// product, as torch's CPU kernel and FlashAttention do for 16-bit inputs.
+//
+// Included by attention_forward_avx512_bf16.cpp only (built with -mavx512bf16).
+#ifndef __AVX512BF16__
+#error "attention_forward_bf16_impl.h needs -mavx512bf16"
+#endif
+
+#include <immintrin.h>
+
+#include "attention_forward_impl.h"
+
+namespace npu_attn {
+namespace {
+
+static_assert(kLanes == 16, "the bfloat16 kernel is written for 512-bit vectors");
+
+typedef uint32_t UnalignedWord __attribute__((aligned(2), may_alias));
+
+NPU_ATTN_VEC_INLINE __m512bh load_pairs(const uint32_t* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// c[r][v] (+)= sum_i A(r, i) . b[i][v]: like broadcast_fma_block, but every element is a pair
+// of bfloat16 (one 32-bit word) and each step is one vdpbf16ps.
+template <ALayout Layout, bool Accumulate, int Rows, int Vecs>
+void pair_dot_block(const UnalignedWord* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                    int64_t depth, float* c, int64_t ldc) {
+  const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
+  const int64_t depth_step = Layout == ALayout::kRowMajor ? 1 : lda;
+  __m512 acc[Rows][Vecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v)
+      acc[r][v] = Accumulate ? _mm512_loadu_ps(c + r * ldc + v * kLanes) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < depth; ++i) {
+    __m512bh bi[Vecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) bi[v] = load_pairs(b + i * ldb + v * kLanes);
+    const UnalignedWord* ai = a + i * depth_step;
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(ai[r * row_step]));
+#pragma GCC unroll 4
+      for (int v = 0; v < Vecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ar, bi[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) _mm512_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
+}
+
+template <ALayout Layout, bool Accumulate>
+void pair_dot(const UnalignedWord* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t depth,
+              int64_t rows, int64_t vecs, float* c, int64_t ldc) {
+  const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
+  for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {
+    with_count<kMaxBlockVecs>(min_i64(kMaxBlockVecs, vecs - v0), [&](auto block_vecs) {
+      constexpr int kVecs = decltype(block_vecs)::value;
+      const uint32_t* bv = b + v0 * kLanes;
+      float* cv = c + v0 * kLanes;
+      int64_t r = 0;
+      for (; r + kBlockRows <= rows; r += kBlockRows) {
+        pair_dot_block<Layout, Accumulate, kBlockRows, kVecs>(a + r * row_step, lda, bv, ldb, depth,
+                                                              cv + r * ldc, ldc);
+      }
+      with_count<kBlockRows - 1>(rows - r, [&](auto n) {
+        pair_dot_block<Layout, Accumulate, decltype(n)::value, kVecs>(
+            a + r * row_step, lda, bv, ldb, depth, cv + r * ldc, ldc);
+      });
+    });
+  }
+}
+
+// Two float32 vectors -> one vector of bfloat16 pairs (lo[q], hi[q]) per lane, rounded to
+// nearest even (vcvtne2ps2bf16 puts lo in words 0-15 and hi in 16-31; vpermw interleaves).
+NPU_ATTN_VEC_INLINE __m512i pack_pairs(__m512 lo, __m512 hi) {
+  const __m512i interleave =
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// ---------------------------------------------------------------- layout of one pair's K and V
+struct PairLayout {
+  bool k_in_place;     // bfloat16 K rows with unit stride and an even head_dim: read directly
+  int64_t k_words;     // words per packed K row: ceil(head_dim / 2)
+  int64_t v_pairs;     // ceil(len_k / 2)
+  int64_t pair_words;  // packed words per (batch, kv-head) pair
+  int64_t pairs_per_chunk;
+  int64_t block_k;  // keys per tile (even)
+  int64_t block_q;
+};
+
+PairLayout choose_pair_layout(const AttentionParams& p, int threads) {
+  PairLayout l{};
+  l.k_in_place = p.k_stride[3] == 1 && p.head_dim % 2 == 0 && p.k_stride[2] % 2 == 0;
+  l.k_words = (p.head_dim + 1) / 2;
+  l.v_pairs = (p.len_k + 1) / 2;
+  l.pair_words = l.v_pairs * p.head_dim_v + (l.k_in_place ? 0 : p.len_k * l.k_words);
+  const int64_t budget_words = (int64_t{32} << 20) / 4;
+  const int64_t pairs = p.batch * p.heads_kv;
+  l.pairs_per_chunk = max_i64(1, min_i64(pairs, budget_words / max_i64(l.pair_words, 1)));
+  l.block_k = round_up(min_i64(512, max_i64(p.len_k, 1)), 2);
+  const int64_t heads_rows = p.batch * p.heads_q;
+  l.block_q = kMaxBlockQ;
+  while (l.block_q > 16 && heads_rows * ceil_div(p.len_q, l.block_q) < 4 * threads) l.block_q /= 2;
+  return l;
+}
+
+// Packs V of keys [k0, k0 + count) (k0 even) as key pairs, and K rows if not read in place.
+void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_t pair, int64_t k0,
+                    int64_t count, uint32_t* dst) {
+  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+  const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
+  uint32_t* vp = dst;
+  for (int64_t j = k0; j < k0 + count; j += 2) {
+    const uint16_t* lo = v + j * p.v_stride[2];
+    uint32_t* row = vp + (j / 2) * p.head_dim_v;
+    if (j + 1 < p.len_k) {
+      const uint16_t* hi = lo + p.v_stride[2];
+      for (int64_t c = 0; c < p.head_dim_v; ++c)
+        row[c] = lo[c * p.v_stride[3]] | static_cast<uint32_t>(hi[c * p.v_stride[3]]) << 16;
+    } else {  // odd len_k: the last key pairs with zeros
+      for (int64_t c = 0; c < p.head_dim_v; ++c) row[c] = lo[c * p.v_stride[3]];
+    }
+  }
+  if (l.k_in_place) return;
+  const uint16_t* k = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
+  uint32_t* kp = dst + l.v_pairs * p.head_dim_v;
+  for (int64_t j = k0; j < k0 + count; ++j) {
+    const uint16_t* src = k + j * p.k_stride[2];
+    uint32_t* row = kp + j * l.k_words;
+    for (int64_t w = 0; w < l.k_words; ++w) {
+      const int64_t d = 2 * w;
+      const uint32_t high = d + 1 < p.head_dim ? src[(d + 1) * p.k_stride[3]] : 0;
+      row[w] = src[d * p.k_stride[3]] | high << 16;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- one query tile
+struct PairScratch {
+  ThreadScratch f32;  // st (scores), ot, m, l as in the float32 kernel (qt unused)
+  uint32_t* qp;       // k_words x block_q: query pairs (zero in padding lanes)
+  uint32_t* pp;       // (block_k / 2) x block_q: probability pairs
+};
+
+int64_t pair_scratch_words(const AttentionParams& p, const PairLayout& l) {
+  return l.block_q * (l.block_k + p.head_dim_v + 2) + l.block_q * (l.k_words + l.block_k / 2);
+}
+
+PairScratch carve_pair_scratch(const AttentionParams& p, const PairLayout& l, float* base) {
+  PairScratch s{};
+  s.f32.st = base;
+  s.f32.ot = s.f32.st + l.block_k * l.block_q;
+  s.f32.m = s.f32.ot + p.head_dim_v * l.block_q;
+  s.f32.l = s.f32.m + l.block_q;
+  s.qp = reinterpret_cast<uint32_t*>(s.f32.l + l.block_q);
+  s.pp = s.qp + l.k_words * l.block_q;
+  return s;
+}
+
+void load_query_pairs(const AttentionParams& p, const PairLayout& l, const QueryTile& tile,
+                      uint32_t* qp) {
+  const uint16_t* q = static_cast<const uint16_t*>(p.q) + tile.batch * p.q_stride[0] +
+                      tile.head * p.q_stride[1] + tile.q0 * p.q_stride[2];
+  const int64_t lanes = tile.vecs * kLanes;
+  for (int64_t w = 0; w < l.k_words; ++w) {
+    const int64_t d = 2 * w;
+    const bool has_hi = d + 1 < p.head_dim;
+    uint32_t* row = qp + w * l.block_q;
+    for (int64_t i = 0; i < tile.rows; ++i) {
+      const uint16_t* src = q + i * p.q_stride[2];
+      const uint32_t high = has_hi ? src[(d + 1) * p.q_stride[3]] : 0;
+      row[i] = src[d * p.q_stride[3]] | high << 16;
+    }
+    for (int64_t i = tile.rows; i < lanes; ++i) row[i] = 0;
+  }
+}
+
+// Online softmax of one key tile (like softmax_update) that writes P as bfloat16 pairs.
+template <int Vecs>
+void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t keys,
+                          PairScratch& ws) {
+  const int64_t ld = l.block_q;
+  float* st = ws.f32.st;
+  Vec m_tile[Vecs], shift[Vecs], sum[Vecs];
+#pragma GCC unroll 4
+  for (int v = 0; v < Vecs; ++v) m_tile[v] = splat(kNegInf);
+  for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v)
+      m_tile[v] = max_ignoring_nan(load(st + j * ld + v * kLanes), m_tile[v]);
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < Vecs; ++v) {
+    const Vec m_old = load(ws.f32.m + v * kLanes);
+    const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
+    shift[v] = m_new == kNegInf ? splat(0.0f) : m_new;
+    const Vec alpha = exp_nonpositive(m_old - shift[v]);
+    store(ws.f32.m + v * kLanes, m_new);
+    store(ws.f32.l + v * kLanes, load(ws.f32.l + v * kLanes) * alpha);
+    for (int64_t c = 0; c < p.head_dim_v; ++c) {
+      float* o = ws.f32.ot + c * ld + v * kLanes;
+      store(o, load(o) * alpha);
+    }
+    sum[v] = splat(0.0f);
+  }
+  for (int64_t j = 0; j < keys; j += 2) {
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) {
+      const Vec lo = exp_nonpositive(load(st + j * ld + v * kLanes) - shift[v]);
+      const Vec hi = j + 1 < keys ? exp_nonpositive(load(st + (j + 1) * ld + v * kLanes) - shift[v])
+                                  : splat(0.0f);
+      sum[v] += lo + hi;
+      _mm512_storeu_si512(ws.pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, hi));
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < Vecs; ++v) store(ws.f32.l + v * kLanes, load(ws.f32.l + v * kLanes) + sum[v]);
+}
+
+void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l, const UnalignedWord* k,
+                          int64_t k_row_words, const uint32_t* vp, const QueryTile& tile,
+                          PairScratch& ws) {
+  const int64_t ld = l.block_q;
+  load_query_pairs(p, l, tile, ws.qp);
+  for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
+    ws.f32.m[i] = kNegInf;
+    ws.f32.l[i] = 0.0f;
+  }
+  for (int64_t c = 0; c < p.head_dim_v; ++c)
+    for (int64_t i = 0; i < tile.vecs * kLanes; ++i) ws.f32.ot[c * ld + i] = 0.0f;
+
+  const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
+  for (int64_t k0 = 0; k0 < key_limit; k0 += l.block_k) {
+    const int64_t keys = min_i64(l.block_k, key_limit - k0);
+    // S^T = K Q^T (pairs along head_dim), then scaled in float32 like the float32 kernel's
+    // pre-scaled queries, so masks add to scaled scores.
+    pair_dot<ALayout::kRowMajor, false>(k + k0 * k_row_words, k_row_words, ws.qp, ld, l.k_words,
+                                        keys, tile.vecs, ws.f32.st, ld);
+    const Vec scale = splat(p.scale);
+    for (int64_t j = 0; j < keys; ++j)
+      for (int64_t i = 0; i < tile.vecs * kLanes; i += kLanes) {
+        float* s = ws.f32.st + j * ld + i;
+        store(s, load(s) * scale);
+      }
+    if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
+    if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.f32.st, ld);
+    with_count<kTileQueryVecs>(
+        tile.vecs, [&](auto vecs) { softmax_update_pairs<decltype(vecs)::value>(p, l, keys, ws); });
+    // O^T += V^T P^T (pairs along keys); a tile's odd last key pairs with a zero.
+    const int64_t key_pairs = (keys + 1) / 2;
+    for (int64_t i0 = 0; i0 < key_pairs; i0 += kPvKeyChunk / 2) {
+      const int64_t chunk = min_i64(kPvKeyChunk / 2, key_pairs - i0);
+      pair_dot<ALayout::kColMajor, true>(
+          reinterpret_cast<const UnalignedWord*>(vp + (k0 / 2 + i0) * p.head_dim_v), p.head_dim_v,
+          ws.pp + i0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.f32.ot, ld);
+    }
+  }
+  Tiling t{};
+  t.block_q = l.block_q;
+  write_output<BFloat16>(p, tile, t, ws.f32);
+}
+
+void attention_forward_bf16_pairs(const AttentionParams& p) {
+  if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t pairs = p.batch * p.heads_kv;
+  const int64_t max_tasks = p.batch * p.heads_q * ceil_div(p.len_q, kLanes);
+  const int threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_tasks));
+  const PairLayout l = choose_pair_layout(p, threads);
+  const int64_t q_tiles = ceil_div(p.len_q, l.block_q);
+  const int64_t k_tiles = ceil_div(p.len_k, l.block_k);
+
+  const int64_t chunk_words = l.pairs_per_chunk * l.pair_words;
+  const int64_t per_thread = round_up(pair_scratch_words(p, l), 16);
+  // Words and floats are both 4 bytes: one tracked float allocation holds either.
+  float* packed_f = workspace_alloc_floats(chunk_words);
+  float* scratch = nullptr;
+  try {
+    scratch = workspace_alloc_floats(per_thread * threads);
+  } catch (...) {
+    workspace_free_floats(packed_f, chunk_words);
+    throw;
+  }
+  uint32_t* packed = reinterpret_cast<uint32_t*>(packed_f);
+
+#pragma omp parallel num_threads(threads)
+  {
+    PairScratch ws = carve_pair_scratch(p, l, scratch + per_thread * omp_get_thread_num());
+    for (int64_t first = 0; first < pairs; first += l.pairs_per_chunk) {
+      const int64_t chunk_pairs = min_i64(l.pairs_per_chunk, pairs - first);
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < chunk_pairs * k_tiles; ++item) {
+        const int64_t local = item / k_tiles, tile = item % k_tiles;
+        const int64_t k0 = tile * l.block_k, count = min_i64(l.block_k, p.len_k - k0);
+        pack_pair_rows(p, l, first + local, k0, count, packed + local * l.pair_words);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < chunk_pairs * group * q_tiles; ++task) {
+        const int64_t local = task / (group * q_tiles);
+        const int64_t rest = task % (group * q_tiles);
+        const int64_t pair = first + local;
+        QueryTile tile{};
+        tile.batch = pair / p.heads_kv;
+        tile.head = (pair % p.heads_kv) * group + rest / q_tiles;
+        tile.q0 = (rest % q_tiles) * l.block_q;
+        tile.rows = min_i64(l.block_q, p.len_q - tile.q0);
+        tile.vecs = ceil_div(tile.rows, kLanes);
+        const uint32_t* vp = packed + local * l.pair_words;
+        const UnalignedWord* k;
+        int64_t k_row_words;
+        if (l.k_in_place) {
+          k = reinterpret_cast<const UnalignedWord*>(static_cast<const uint16_t*>(p.k) +
+                                                     tile.batch * p.k_stride[0] +
+                                                     (pair % p.heads_kv) * p.k_stride[1]);
+          k_row_words = p.k_stride[2] / 2;
+        } else {
+          k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * p.head_dim_v);
+          k_row_words = l.k_words;
+        }
+        run_query_tile_pairs(p, l, k, k_row_words, vp, tile, ws);
+      }
+    }
+  }
+  workspace_free_floats(scratch, per_thread * threads);
+  workspace_free_floats(packed_f, chunk_words);
+}
+
+}  // namespace
+}  // namespace npu_attn
