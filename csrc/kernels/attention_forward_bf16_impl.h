@@ -14,7 +14,9 @@
 // Accumulation, softmax and the output are float32; P is rounded to bfloat16 before the second
 // product, as torch's CPU kernel and FlashAttention do for 16-bit inputs.
 //
-// Included by attention_forward_avx512_bf16.cpp only (built with -mavx512bf16).
+// Included by attention_forward_avx512_bf16.cpp, and by the AMX kernel, which shares the pair
+// layouts and the softmax (functions are `inline` so a TU that uses only some of them compiles
+// without unused-function warnings; the anonymous namespace keeps them local either way).
 #ifndef __AVX512BF16__
 #error "attention_forward_bf16_impl.h needs -mavx512bf16"
 #endif
@@ -96,6 +98,19 @@ NPU_ATTN_VEC_INLINE __m512i pack_pairs(__m512 lo, __m512 hi) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+// S^T comes out of the products unscaled. An additive mask must be added to scaled scores, and
+// scale == 0 would turn masked -inf into NaN inside the softmax, so then scale here and return 1;
+// otherwise leave it to softmax_update_pairs and return the scale it still has to apply.
+inline float scale_scores_if_needed(const AttentionParams& p, int64_t keys, int64_t lanes,
+                                    float* st, int64_t ld) {
+  if (p.mask_kind != MaskKind::kAdditive && p.scale > 0.0f) return p.scale;
+  const Vec scale = splat(p.scale);
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t i = 0; i < lanes; i += kLanes)
+      store(st + j * ld + i, load(st + j * ld + i) * scale);
+  return 1.0f;
+}
+
 // ---------------------------------------------------------------- layout of one pair's K and V
 struct PairLayout {
   bool k_in_place;     // bfloat16 K rows with unit stride and an even head_dim: read directly
@@ -107,7 +122,7 @@ struct PairLayout {
   int64_t block_q;
 };
 
-PairLayout choose_pair_layout(const AttentionParams& p, int threads) {
+inline PairLayout choose_pair_layout(const AttentionParams& p, int threads) {
   PairLayout l{};
   l.k_in_place = p.k_stride[3] == 1 && p.head_dim % 2 == 0 && p.k_stride[2] % 2 == 0;
   l.k_words = (p.head_dim + 1) / 2;
@@ -124,8 +139,8 @@ PairLayout choose_pair_layout(const AttentionParams& p, int threads) {
 }
 
 // Packs V of keys [k0, k0 + count) (k0 even) as key pairs, and K rows if not read in place.
-void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_t pair, int64_t k0,
-                    int64_t count, uint32_t* dst) {
+inline void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_t pair, int64_t k0,
+                           int64_t count, uint32_t* dst) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
   uint32_t* vp = dst;
@@ -161,11 +176,11 @@ struct PairScratch {
   uint32_t* pp;       // (block_k / 2) x block_q: probability pairs
 };
 
-int64_t pair_scratch_words(const AttentionParams& p, const PairLayout& l) {
+inline int64_t pair_scratch_words(const AttentionParams& p, const PairLayout& l) {
   return l.block_q * (l.block_k + p.head_dim_v + 2) + l.block_q * (l.k_words + l.block_k / 2);
 }
 
-PairScratch carve_pair_scratch(const AttentionParams& p, const PairLayout& l, float* base) {
+inline PairScratch carve_pair_scratch(const AttentionParams& p, const PairLayout& l, float* base) {
   PairScratch s{};
   s.f32.st = base;
   s.f32.ot = s.f32.st + l.block_k * l.block_q;
@@ -176,8 +191,8 @@ PairScratch carve_pair_scratch(const AttentionParams& p, const PairLayout& l, fl
   return s;
 }
 
-void load_query_pairs(const AttentionParams& p, const PairLayout& l, const QueryTile& tile,
-                      uint32_t* qp) {
+inline void load_query_pairs(const AttentionParams& p, const PairLayout& l, const QueryTile& tile,
+                             uint32_t* qp) {
   const uint16_t* q = static_cast<const uint16_t*>(p.q) + tile.batch * p.q_stride[0] +
                       tile.head * p.q_stride[1] + tile.q0 * p.q_stride[2];
   const int64_t lanes = tile.vecs * kLanes;
@@ -195,9 +210,12 @@ void load_query_pairs(const AttentionParams& p, const PairLayout& l, const Query
 }
 
 // Online softmax of one key tile (like softmax_update) that writes P as bfloat16 pairs.
+// `score_scale` is the factor still to apply to S^T: 1 when the caller already scaled it (it
+// must when an additive mask was added), else p.scale (> 0), which then costs nothing extra:
+// max(scale * s) = scale * max(s), and exp(s * scale - m) is one FMA like exp(s - m).
 template <int Vecs>
 void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t keys,
-                          PairScratch& ws) {
+                          float score_scale, PairScratch& ws) {
   const int64_t ld = l.block_q;
   float* st = ws.f32.st;
   Vec m_tile[Vecs], shift[Vecs], sum[Vecs];
@@ -208,8 +226,10 @@ void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t
     for (int v = 0; v < Vecs; ++v)
       m_tile[v] = max_ignoring_nan(load(st + j * ld + v * kLanes), m_tile[v]);
   }
+  const Vec factor = splat(score_scale);
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) {
+    m_tile[v] *= factor;  // -inf stays -inf: factor > 0
     const Vec m_old = load(ws.f32.m + v * kLanes);
     const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
     shift[v] = m_new == kNegInf ? splat(0.0f) : m_new;
@@ -222,23 +242,31 @@ void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t
     }
     sum[v] = splat(0.0f);
   }
-  for (int64_t j = 0; j < keys; j += 2) {
+  int64_t j = 0;
+  for (; j + 1 < keys; j += 2) {
 #pragma GCC unroll 4
     for (int v = 0; v < Vecs; ++v) {
-      const Vec lo = exp_nonpositive(load(st + j * ld + v * kLanes) - shift[v]);
-      const Vec hi = j + 1 < keys ? exp_nonpositive(load(st + (j + 1) * ld + v * kLanes) - shift[v])
-                                  : splat(0.0f);
+      const Vec lo = exp_nonpositive(load(st + j * ld + v * kLanes) * factor - shift[v]);
+      const Vec hi = exp_nonpositive(load(st + (j + 1) * ld + v * kLanes) * factor - shift[v]);
       sum[v] += lo + hi;
       _mm512_storeu_si512(ws.pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, hi));
+    }
+  }
+  if (j < keys) {  // an odd last key pairs with zero
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs; ++v) {
+      const Vec lo = exp_nonpositive(load(st + j * ld + v * kLanes) * factor - shift[v]);
+      sum[v] += lo;
+      _mm512_storeu_si512(ws.pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, splat(0.0f)));
     }
   }
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) store(ws.f32.l + v * kLanes, load(ws.f32.l + v * kLanes) + sum[v]);
 }
 
-void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l, const UnalignedWord* k,
-                          int64_t k_row_words, const uint32_t* vp, const QueryTile& tile,
-                          PairScratch& ws) {
+inline void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l,
+                                 const UnalignedWord* k, int64_t k_row_words, const uint32_t* vp,
+                                 const QueryTile& tile, PairScratch& ws) {
   const int64_t ld = l.block_q;
   load_query_pairs(p, l, tile, ws.qp);
   for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
@@ -255,16 +283,12 @@ void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l, const U
     // pre-scaled queries, so masks add to scaled scores.
     pair_dot<ALayout::kRowMajor, false>(k + k0 * k_row_words, k_row_words, ws.qp, ld, l.k_words,
                                         keys, tile.vecs, ws.f32.st, ld);
-    const Vec scale = splat(p.scale);
-    for (int64_t j = 0; j < keys; ++j)
-      for (int64_t i = 0; i < tile.vecs * kLanes; i += kLanes) {
-        float* s = ws.f32.st + j * ld + i;
-        store(s, load(s) * scale);
-      }
+    const float rest_scale = scale_scores_if_needed(p, keys, tile.vecs * kLanes, ws.f32.st, ld);
     if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
     if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.f32.st, ld);
-    with_count<kTileQueryVecs>(
-        tile.vecs, [&](auto vecs) { softmax_update_pairs<decltype(vecs)::value>(p, l, keys, ws); });
+    with_count<kTileQueryVecs>(tile.vecs, [&](auto vecs) {
+      softmax_update_pairs<decltype(vecs)::value>(p, l, keys, rest_scale, ws);
+    });
     // O^T += V^T P^T (pairs along keys); a tile's odd last key pairs with a zero.
     const int64_t key_pairs = (keys + 1) / 2;
     for (int64_t i0 = 0; i0 < key_pairs; i0 += kPvKeyChunk / 2) {
@@ -279,7 +303,7 @@ void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l, const U
   write_output<BFloat16>(p, tile, t, ws.f32);
 }
 
-void attention_forward_bf16_pairs(const AttentionParams& p) {
+inline void attention_forward_bf16_pairs(const AttentionParams& p) {
   if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t pairs = p.batch * p.heads_kv;

@@ -289,7 +289,8 @@ def markdown(report: dict) -> str:
         "",
         "Times are medians of interleaved runs (min-max in brackets); speed-up is torch SDPA "
         "time / npu_attn tiled time; memory is the peak RSS growth of one call in a fresh "
-        "process (inputs excluded, output included).",
+        "process (inputs excluded, output included). % of peak is relative to the measured "
+        "float32 FMA peak, also for bfloat16 (AMX tiles can exceed it).",
         "",
         "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
         "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",
@@ -333,6 +334,8 @@ def plot(report: dict, directory: Path) -> list[Path]:
         ("time", "median_ms", "milliseconds per call"),
         ("memory", None, "peak extra memory (MiB)"),
     ):
+        if key is None and not any(r.get("memory") for r in rows):
+            continue  # --no-memory: nothing to plot
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for name in COMPETITORS:
             xs, ys = [], []
@@ -377,7 +380,8 @@ def run(args) -> dict:
     if args.quick:
         cases = [c for c in cases if c.flops <= 6e10]
     if args.filter:
-        cases = [c for c in cases if args.filter.lower() in c.name.lower()]
+        wanted = [w.strip().lower() for w in args.filter.split(",") if w.strip()]
+        cases = [c for c in cases if any(w in c.name.lower() for w in wanted)]
     info = machine_info(threads)
     report = {
         "machine": info,
@@ -421,7 +425,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="only the smaller cases (~1 min)")
-    parser.add_argument("--filter", help="only cases whose name contains this text")
+    parser.add_argument(
+        "--filter", help="only cases whose name contains this text (comma-separated: any of them)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per competitor")
     parser.add_argument("--threads", type=int, help="threads for every competitor")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
@@ -429,7 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16", "float16"),
-        help="input dtype (npu_attn computes bf16/fp16 in float32)",
+        help="input dtype (bfloat16 runs on AMX or AVX-512-BF16 kernels where the CPU has them; "
+        "otherwise bf16/fp16 are computed in float32)",
     )
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--json", type=Path, help="write the full report as JSON here")

@@ -46,17 +46,28 @@ def _reference(q, k, v, mask):
     )
 
 
-def self_test(fn) -> dict[str, Any]:
-    """Run ``fn`` (SDPA signature) on a GQA + mask case; compare with float64 torch."""
+def self_test(fn, dtype=None) -> dict[str, Any]:
+    """Run ``fn`` (SDPA signature) on a GQA + mask case; compare with float64 torch.
+
+    float32: error <= 1e-4 of the output's magnitude. bfloat16 (``dtype``): the flash-attention
+    bar, error <= 2x the error of torch's own SDPA in bfloat16 on the same inputs."""
     import torch
+    import torch.nn.functional as F
 
     q, k, v, mask = _self_test_inputs()
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     try:
         with torch.no_grad():
             out = fn(q, k, v, mask, 0.0, False, None, True)
         ref = _reference(q, k, v, mask)
         err = float((out.double() - ref).abs().max())
-        tol = SELF_TEST_TOLERANCE * max(1.0, float(ref.abs().max()))
+        if dtype is None:
+            tol = SELF_TEST_TOLERANCE * max(1.0, float(ref.abs().max()))
+        else:
+            with torch.no_grad():
+                theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            tol = 2 * float((theirs.double() - ref).abs().max()) + 1e-6
         return {"ok": err <= tol, "max_abs_error": err, "tolerance": tol}
     except Exception as e:  # the doctor reports failures, it does not crash on them
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -96,15 +107,19 @@ def collect() -> dict[str, Any]:
         )
     report["devices"] = devices
 
-    kernels = {}
+    kernels, kernels_bf16 = {}, {}
     original = _runtime.active_isa()
     try:
         for isa in _runtime.available_isas():
             _runtime.set_isa(isa)
             kernels[isa] = self_test(strategies.tiled_attention)
+            # bfloat16 has its own kernels on avx512_bf16 and amx_bf16 (AMX also needs the
+            # OS's permission): worth checking on the machine that will run them.
+            kernels_bf16[isa] = self_test(strategies.tiled_attention, torch.bfloat16)
     finally:
         _runtime.set_isa(original)
     report["kernel_variants"] = kernels
+    report["kernel_variants_bf16"] = kernels_bf16
 
     strategy_report = {}
     npu_present = any(d["device"].startswith("npu") for d in devices)
@@ -119,11 +134,19 @@ def collect() -> dict[str, Any]:
             fn = strategies.RUNNERS[name]
             strategy_report[name] = {"available": True, "self_test": self_test(fn)}
     report["strategies"] = strategy_report
-    tests = list(kernels.values()) + [
-        s["self_test"] for s in strategy_report.values() if isinstance(s.get("self_test"), dict)
-    ]
+    tests = (
+        list(kernels.values())
+        + list(kernels_bf16.values())
+        + [s["self_test"] for s in strategy_report.values() if isinstance(s.get("self_test"), dict)]
+    )
     report["ok"] = all(t["ok"] for t in tests)
     return report
+
+
+def _detail(t: dict[str, Any]) -> str:
+    if "max_abs_error" in t:
+        return f"max error {t['max_abs_error']:.1e}, bound {t['tolerance']:.1e}"
+    return t["error"]
 
 
 def render(report: dict[str, Any]) -> str:
@@ -153,8 +176,11 @@ def render(report: dict[str, Any]) -> str:
         )
     lines += ["", "Kernel variants (self-test vs float64 reference):"]
     for isa, t in report["kernel_variants"].items():
-        detail = f"max error {t['max_abs_error']:.1e}" if "max_abs_error" in t else t["error"]
-        lines.append(f"  {isa:8} {mark(t['ok'])}  ({detail})")
+        t16 = report["kernel_variants_bf16"][isa]
+        lines.append(
+            f"  {isa:12} float32 {mark(t['ok'])} ({_detail(t)}); bfloat16 "
+            f"{mark(t16['ok'])} ({_detail(t16)})"
+        )
     lines += ["", "Attention strategies:"]
     for name, s in report["strategies"].items():
         if not s["available"]:

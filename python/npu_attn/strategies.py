@@ -9,8 +9,9 @@ Every strategy is a function with torch SDPA's positional signature
 - ``tiled``: npu_attn's tiled C++ kernel (CPU tensors).
 - ``npu``: ``torch_npu.npu_fusion_attention`` (Ascend NPU tensors, fp16/bf16).
 - ``auto``: per device: on CPU a short measurement of ``tiled`` vs ``sdpa`` (and ``vanilla``
-  for small problems) on each real attention shape, cached per machine and shape; on an
-  Ascend NPU ``npu``; elsewhere ``sdpa``.
+  for small problems) on each real attention shape, cached per machine and shape (under
+  autograd the measured time is forward + backward, cached separately); on an Ascend NPU
+  ``npu``; elsewhere ``sdpa``.
 """
 
 from __future__ import annotations
@@ -266,20 +267,41 @@ class AutoSelector:
             names.append("vanilla")
         return names
 
-    def _measure(self, args) -> dict:
+    @staticmethod
+    def _forward_backward(name, args):
+        """One training step of candidate `name` on detached copies of the inputs (the caller's
+        graph is untouched): forward, then backward of the output's sum."""
+        leaves = [
+            t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in args[:4]
+        ]
+        out = RUNNERS[name](*leaves, *args[4:])
+        out.sum().backward()
+
+    def _measure(self, args, training: bool = False) -> dict:
+        """Times every candidate, interleaved; under autograd a candidate's time is forward +
+        backward. Returns the choice, the medians and (inference only) the chosen output."""
         names = self.candidates(args[0], args[1])
         times: dict[str, list[float]] = {n: [] for n in names}
         outputs = {}
-        for name in names:  # warm-up (also the result we return)
-            outputs[name] = RUNNERS[name](*args)
+
+        def run(name):
+            if training:
+                self._forward_backward(name, args)
+            else:
+                outputs[name] = RUNNERS[name](*args)
+
+        for name in names:  # warm-up (for inference also the result we return)
+            run(name)
         for _ in range(self.repeats):
             for name in names:  # interleaved: every candidate sees the same machine state
                 start = time.perf_counter()
-                RUNNERS[name](*args)
+                run(name)
                 times[name].append(time.perf_counter() - start)
         ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
         choice = min(ms, key=ms.get)
-        return {"choice": choice, "ms": ms, "_output": outputs[choice]}
+        output = RUNNERS[choice](*args) if training else outputs[choice]
+        return {"choice": choice, "ms": ms, "_output": output}
 
     def __call__(
         self,
@@ -296,9 +318,12 @@ class AutoSelector:
         if query.device.type != "cpu":
             name = "npu" if npu_backend.unavailable_reason(query.device.type) is None else "sdpa"
             return RUNNERS[name](*args)
-        if dropout_p > 0.0 or needs_grad(query, key, value, attn_mask):
-            return torch_sdpa(*args)  # training: the only candidate with dropout and backward
+        if dropout_p > 0.0:
+            return torch_sdpa(*args)  # the only candidate with dropout
+        training = needs_grad(query, key, value, attn_mask)
         key_str = self.shape_key(query, key, value, attn_mask, is_causal, enable_gqa)
+        if training:  # chosen by forward + backward time, cached separately
+            key_str += " fwd+bwd"
         entry = self.cached_choice(key_str)
         if entry is not None:
             return RUNNERS[entry["choice"]](*args)
@@ -306,7 +331,7 @@ class AutoSelector:
             entry = self.cached_choice(key_str)
             if entry is not None:
                 return RUNNERS[entry["choice"]](*args)
-            result = self._measure(args)
+            result = self._measure(args, training)
             output = result.pop("_output")
             self._memory[key_str] = result
             self.measurements += 1

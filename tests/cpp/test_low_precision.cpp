@@ -74,6 +74,11 @@ std::vector<Case> low_precision_shapes() {
       {1, 8, 2, 90, 120, 64, 64},    {1, 1, 1, 1, 1, 64, 64},    {1, 2, 2, 100, 100, 40, 72},
       {2, 4, 4, 200, 200, 128, 128},
   };
+  // Whole 32-key and 32-dim tiles: the AMX kernel reads K in place (BHSD and BSHD strides).
+  cases.push_back({2, 3, 3, 96, 128, 64, 64});
+  cases.push_back({1, 2, 2, 70, 64, 32, 32});
+  cases.back().layout = Layout::kBSHD;
+  cases.back().causal = true;
   cases[1].mask = MaskCase::kBoolKeyPadding;
   cases[2].mask = MaskCase::kAdditiveHeads;
   cases[3].causal = true;
@@ -125,6 +130,48 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
         // The reference recomputes P in double, the kernel from the 16-bit-rounded output
         // (Delta = rowsum(dO * O)); two roundings of the gradient's scale are allowed.
         EXPECT_LE(max_abs_diff(a, b), 2 * unit_roundoff(dtype) * std::max(1.0, max_abs(b)));
+      }
+    }
+  }
+}
+
+TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
+  const DType dtype = DType::kBFloat16;
+  Case c{1, 2, 2, 40, 70, 32, 32};
+  for (int variant = 0; variant < 2; ++variant) {
+    SCOPED_TRACE(std::string(isa_name(GetParam())) + (variant ? " NaN key" : " masked rows"));
+    Problem pr;
+    build(c, pr, 5);
+    if (variant == 0) {  // rows 0, 3, 6, ... see no key: output 0, lse -inf
+      pr.boolean = BoolTensor({c.len_q, c.len_k});
+      for (int64_t i = 0; i < c.len_q; ++i)
+        for (int64_t j = 0; j < c.len_k; ++j) pr.boolean.at({i, j}) = (i % 3 != 0);
+      pr.args.attn_mask = pr.boolean.view(DType::kBool);
+    } else {  // one NaN key: every output NaN, like the reference
+      pr.k.at({0, 1, 7, 3}) = NAN;
+    }
+    HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
+    HalfTensor out = narrow(pr.out, dtype);
+    SdpaArguments args = pr.args;
+    args.query = q.view(dtype);
+    args.key = k.view(dtype);
+    args.value = v.view(dtype);
+    args.out = out.view(dtype);
+    run_attention_forward(make_attention_params(args), GetParam());
+    const FloatTensor got = widen(out, dtype);
+    for (int64_t h = 0; h < c.heads_q; ++h) {
+      for (int64_t i = 0; i < c.len_q; ++i) {
+        const float first = got.storage[got.offset({0, h, i, 0})];
+        if (variant == 1) {
+          EXPECT_EQ(std::isnan(first), h == 1) << h << " " << i;
+        } else if (i % 3 == 0) {
+          EXPECT_EQ(pr.lse.at({0, h, i}), -INFINITY);
+          for (int64_t d = 0; d < c.head_dim_v; ++d)
+            EXPECT_EQ(got.storage[got.offset({0, h, i, d})], 0.0f);
+        } else {
+          EXPECT_TRUE(std::isfinite(pr.lse.at({0, h, i})));
+          EXPECT_TRUE(std::isfinite(first));
+        }
       }
     }
   }

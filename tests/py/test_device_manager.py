@@ -242,6 +242,8 @@ def test_doctor_json_reports_a_healthy_install():
     assert report["devices"][0]["device"] == "cpu"
     assert set(report["kernel_variants"]) == set(npu_attn.available_isas())
     assert all(t["ok"] for t in report["kernel_variants"].values())
+    assert set(report["kernel_variants_bf16"]) == set(npu_attn.available_isas())
+    assert all(t["ok"] for t in report["kernel_variants_bf16"].values())
     for name in ("vanilla", "sdpa", "tiled", "auto"):
         assert report["strategies"][name]["self_test"]["ok"], name
     assert report["strategies"]["npu"] == {

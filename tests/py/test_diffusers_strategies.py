@@ -315,6 +315,20 @@ def test_tiled_serves_autograd_with_the_same_gradients():
         assert torch.allclose(got, grad, rtol=1e-3, atol=1e-6), name
 
 
+def test_auto_under_autograd_chooses_by_forward_plus_backward():
+    unet = tiny_unet()
+    run_unet(unet).square().mean().backward()
+    expected = {n: p.grad.clone() for n, p in unet.named_parameters() if p.grad is not None}
+    unet.zero_grad(set_to_none=True)
+    npu_attn.set_attention_strategy(unet, "auto")
+    run_unet(unet).square().mean().backward()
+    training = {k: c for k, c in strategies.auto_selector.choices().items() if "fwd+bwd" in k}
+    assert training and set(training.values()) <= {"tiled", "sdpa", "vanilla"}
+    for name, grad in expected.items():
+        got = dict(unet.named_parameters())[name].grad
+        assert torch.allclose(got, grad, rtol=1e-3, atol=1e-6), name
+
+
 def test_redirect_leaves_sdpa_outside_wrapped_processors_untouched():
     unet = tiny_unet()
     npu_attn.set_attention_strategy(unet, "vanilla")

@@ -279,8 +279,18 @@ def test_op_is_registered_with_a_fake_for_tracing():
     assert out.transpose(1, 2).is_contiguous()  # same layout as the real kernel's output
 
 
+@pytest.fixture(params=npu_attn.available_isas())
+def each_isa(request):
+    """Runs a test once per kernel variant this machine can run (bfloat16 has its own kernels
+    on avx512_bf16 and amx_bf16), restoring the active variant afterwards."""
+    previous = npu_attn.active_isa()
+    npu_attn.set_isa(request.param)
+    yield request.param
+    npu_attn.set_isa(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_meets_the_flash_attention_bar(dtype):
+def test_low_precision_meets_the_flash_attention_bar(dtype, each_isa):
     for seed, case in enumerate(GRAD_CASES):
         q, k, v, mask, causal = make(case, dtype=dtype, seed=seed)
         if mask is not None and mask.dtype != torch.bool:
