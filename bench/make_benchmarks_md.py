@@ -1,6 +1,7 @@
 """Assemble BENCHMARKS.md from the outputs of the benchmark commands it lists.
 
-Usage (after running the commands in BENCHMARKS.md's header, which write bench_out/):
+Usage (after running the commands in BENCHMARKS.md's header, which write bench_out/; the script
+bench/run_all.sh runs all of them and then this):
     python bench/make_benchmarks_md.py bench_out > BENCHMARKS.md
 The text around the tables (targets, profile notes) lives here so the numbers always come
 straight from the logs.
@@ -43,16 +44,24 @@ def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     full = table_lines(root / "full.log")
     target = [line for line in table_lines(root / "target.log") if line.startswith("|")]
-    bf16 = [line for line in table_lines(root / "bf16.log") if line.startswith("|")]
-    bwd = [line for line in table_lines(root / "bwd.log") if line.startswith("|")]
+
+    def rows_and_mean(name):
+        return [line for line in table_lines(root / name) if line.startswith(("|", "Geometric"))]
+
+    bf16, fp16 = rows_and_mean("bf16.log"), rows_and_mean("fp16.log")
+    bwd, bwd_bf16 = rows_and_mean("bwd.log"), rows_and_mean("bwd_bf16.log")
     demo = demo_table(root / "demo_sd15_fp32" / "results.json")
+    demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
     text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
     for key, lines in (
         ("FULL", full),
         ("TARGET", target),
         ("BF16", bf16),
+        ("FP16", fp16),
         ("BWD", bwd),
+        ("BWD_BF16", bwd_bf16),
         ("DEMO", demo),
+        ("DEMO_BF16", demo_bf16),
     ):
         text = text.replace(f"{{{key}}}", "\n".join(lines))
     sys.stdout.write(text)

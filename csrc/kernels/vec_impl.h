@@ -12,6 +12,10 @@
 
 #include <cstdint>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>  // F16C conversions; the intrinsics are always-inline, no symbols
+#endif
+
 namespace npu_attn {
 namespace {
 
@@ -165,7 +169,16 @@ NPU_ATTN_VEC_INLINE Vec load_as_float(const T* p) {
   if constexpr (__is_same(T, float)) {
     return load(p);
   } else if constexpr (__is_same(T, _Float16)) {
+    // GCC 12 lowers __builtin_convertvector from _Float16 element by element; F16C converts a
+    // whole vector in one vcvtph2ps.
+#if NPU_ATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+    // (maskz: GCC 12's unmasked form trips -Wmaybe-uninitialized inside its own header)
+    return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif NPU_ATTN_VEC_BYTES == 32 && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
     return __builtin_convertvector(*reinterpret_cast<const UnalignedHalfVec*>(p), Vec);
+#endif
   } else {
     const UVec bits = __builtin_convertvector(*reinterpret_cast<const UnalignedU16Vec*>(p), UVec)
                       << 16;
@@ -180,7 +193,14 @@ NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
   if constexpr (__is_same(T, float)) {
     store(p, v);
   } else if constexpr (__is_same(T, _Float16)) {
+#if NPU_ATTN_VEC_BYTES == 64 && defined(__AVX512F__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT));
+#elif NPU_ATTN_VEC_BYTES == 32 && defined(__F16C__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#else
     *reinterpret_cast<UnalignedHalfVec*>(p) = __builtin_convertvector(v, UnalignedHalfVec);
+#endif
   } else {
     UVec bits;
     __builtin_memcpy(&bits, &v, sizeof(bits));

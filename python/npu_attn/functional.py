@@ -198,8 +198,9 @@ def scaled_dot_product_attention(
     in the inputs propagate as in the math reference.
 
     Torch tensors on any device are routed to the first backend that can take the call
-    (see :func:`npu_attn.backends`): CPU tensors to npu_attn's tiled kernel (float32 natively;
-    float16/bfloat16 computed in float32 and returned in their own dtype; differentiable),
+    (see :func:`npu_attn.backends`): CPU tensors to npu_attn's tiled kernels (float32,
+    bfloat16 and float16 read and written directly, accumulated in float32; bfloat16 on AMX
+    tiles where available; differentiable through a C++ tiled backward),
     Ascend NPU tensors to torch_npu's fused attention, anything else to torch's SDPA. NumPy
     arrays (float32) always use the tiled kernel and return NumPy.
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -23,14 +24,15 @@ struct Case {
   Layout layout = Layout::kBHSD;
   MaskCase mask = MaskCase::kNone;
   bool causal = false;
-  float input_scale = 1.0f;  // multiplies q to produce large logits
+  float input_scale = 1.0f;             // multiplies q to produce large logits
+  std::optional<double> softmax_scale;  // the `scale` argument (default 1/sqrt(D))
 
   std::string describe() const {
     std::ostringstream os;
     os << "B" << batch << " Hq" << heads_q << " Hkv" << heads_kv << " Lq" << len_q << " Lk" << len_k
        << " D" << head_dim << " Dv" << head_dim_v << (layout == Layout::kBSHD ? " BSHD" : " BHSD")
-       << " mask" << static_cast<int>(mask) << (causal ? " causal" : "") << " qscale"
-       << input_scale;
+       << " mask" << static_cast<int>(mask) << (causal ? " causal" : "") << " qscale" << input_scale
+       << (softmax_scale ? " scale" + std::to_string(*softmax_scale) : "");
     return os.str();
   }
 };
@@ -112,6 +114,7 @@ inline void build(const Case& c, Problem& pr, uint32_t seed) {
   pr.args.out = pr.out.view(DType::kFloat32);
   pr.args.lse = pr.lse.view(DType::kFloat32);
   pr.args.is_causal = c.causal;
+  pr.args.scale = c.softmax_scale;
   pr.args.enable_gqa = c.heads_q != c.heads_kv;
   pr.args.num_threads = 2;
   build_mask(c, pr, seed + 3);

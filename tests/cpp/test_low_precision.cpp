@@ -84,6 +84,14 @@ std::vector<Case> low_precision_shapes() {
   cases[3].causal = true;
   cases[5].layout = Layout::kBSHD;
   cases[6].layout = Layout::kBHDS;
+  // Explicit scales: 0 (uniform weights; masked keys must stay excluded, not become NaN) with a
+  // boolean mask, and a non-default one with an additive mask (added after scaling).
+  cases.push_back({1, 2, 2, 50, 70, 40, 40});
+  cases.back().mask = MaskCase::kBoolFull;
+  cases.back().softmax_scale = 0.0;
+  cases.push_back({1, 2, 2, 50, 70, 64, 64});
+  cases.back().mask = MaskCase::kAdditiveFull;
+  cases.back().softmax_scale = 0.3;
   return cases;
 }
 

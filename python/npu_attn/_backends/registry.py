@@ -120,7 +120,8 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS: tuple[Backend, ...] = (
     Backend(
         "tiled",
-        "npu_attn's tiled C++ kernel (fp16/bf16 computed in fp32)",
+        "npu_attn's tiled C++ kernels: forward and backward, fp32 accumulation, "
+        "bf16 on AMX where available",
         ("cpu",),
         _FLOATS,
         supports_dropout=False,
