@@ -45,6 +45,17 @@ void workspace_free_floats(float* ptr, int64_t count) {
   g_current_bytes.fetch_sub(static_cast<int64_t>(rounded_bytes(count)), std::memory_order_relaxed);
 }
 
+WorkspaceBuffer::WorkspaceBuffer(int64_t floats)
+    : data_(workspace_alloc_floats(floats)), count_(floats) {}
+
+WorkspaceBuffer::~WorkspaceBuffer() {
+  workspace_free_floats(data_, count_);
+}
+
+float* WorkspaceBuffer::data() const {
+  return data_;
+}
+
 WorkspaceStats workspace_stats() {
   return {g_current_bytes.load(), g_peak_bytes.load(), g_allocations.load()};
 }

@@ -20,6 +20,22 @@ struct WorkspaceStats {
 float* workspace_alloc_floats(int64_t count);
 void workspace_free_floats(float* ptr, int64_t count);
 
+// One workspace allocation owned by a scope: freed on every exit, including when a later
+// allocation of the same kernel call throws. Members are out of line (workspace.cpp): inline
+// ones would be weak symbols shared by the per-ISA kernel objects.
+class WorkspaceBuffer {
+ public:
+  explicit WorkspaceBuffer(int64_t floats);
+  ~WorkspaceBuffer();
+  WorkspaceBuffer(const WorkspaceBuffer&) = delete;
+  WorkspaceBuffer& operator=(const WorkspaceBuffer&) = delete;
+  float* data() const;
+
+ private:
+  float* data_;
+  int64_t count_;
+};
+
 WorkspaceStats workspace_stats();
 void workspace_reset_peak();
 

@@ -344,7 +344,8 @@ void attention_backward_typed(const AttentionBackwardParams& bp) {
   const int64_t delta_floats = p.batch * p.heads_q * p.len_q;
   const int64_t total = per_thread * plan.threads + dq_buffers * plan.dq_floats + delta_floats;
   // Allocated before the parallel region: a failure is std::bad_alloc for the caller.
-  float* base = workspace_alloc_floats(total);
+  const WorkspaceBuffer buffer(total);
+  float* base = buffer.data();
   float* delta = base + per_thread * plan.threads;
   float* dq_all = delta + delta_floats;
 
@@ -371,7 +372,6 @@ void attention_backward_typed(const AttentionBackwardParams& bp) {
         write_grad_q<T>(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
     }
   }
-  workspace_free_floats(base, total);
 }
 
 void attention_backward_tiled(const AttentionBackwardParams& bp) {

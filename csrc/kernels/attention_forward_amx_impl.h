@@ -230,15 +230,10 @@ void attention_forward_bf16_amx(const AttentionParams& p) {
                                           kAmxBlockQ * (a.dim_pad / 2 + a.pairs.block_k / 2),
                                       16);
   const int64_t chunk_floats = ceil_div(a.pairs_per_chunk * a.pair_elems, 2);
-  float* packed_f = workspace_alloc_floats(chunk_floats);
-  float* scratch = nullptr;
-  try {
-    scratch = workspace_alloc_floats(per_thread * threads);
-  } catch (...) {
-    workspace_free_floats(packed_f, chunk_floats);
-    throw;
-  }
-  uint16_t* packed = reinterpret_cast<uint16_t*>(packed_f);
+  const WorkspaceBuffer packed_buffer(chunk_floats);
+  const WorkspaceBuffer scratch_buffer(per_thread * threads);
+  uint16_t* packed = reinterpret_cast<uint16_t*>(packed_buffer.data());
+  float* scratch = scratch_buffer.data();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -259,22 +254,16 @@ void attention_forward_bf16_amx(const AttentionParams& p) {
         pack_amx_block(p, a, first + local, (item % k_blocks) * 32, packed + local * a.pair_elems);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < chunk_pairs * group * q_tiles; ++task) {
-        const int64_t local = task / (group * q_tiles);
-        const int64_t rest = task % (group * q_tiles);
-        const int64_t pair = first + local;
-        QueryTile tile{};
-        tile.batch = pair / p.heads_kv;
-        tile.head = (pair % p.heads_kv) * group + rest / q_tiles;
-        tile.q0 = (rest % q_tiles) * kAmxBlockQ;
-        tile.rows = min_i64(kAmxBlockQ, p.len_q - tile.q0);
+      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
+        QueryTask task = query_task(p, first, index, q_tiles, kAmxBlockQ);
+        QueryTile& tile = task.tile;
         tile.vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
-        const uint16_t* vt = packed + local * a.pair_elems;
+        const uint16_t* vt = packed + task.local * a.pair_elems;
         const uint16_t* k = vt + a.dim_v_pad * a.len_k_pad;
         int64_t k_row = a.k_row;
         if (a.k_in_place) {
           k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] +
-              (pair % p.heads_kv) * p.k_stride[1];
+              task.hkv * p.k_stride[1];
           k_row = p.k_stride[2];
         }
         run_amx_tile(p, a, k, k_row, vt, tile, ws);
@@ -282,8 +271,6 @@ void attention_forward_bf16_amx(const AttentionParams& p) {
     }
     _tile_release();
   }
-  workspace_free_floats(scratch, per_thread * threads);
-  workspace_free_floats(packed_f, chunk_floats);
 }
 
 }  // namespace

@@ -71,22 +71,10 @@ template <ALayout Layout, bool Accumulate>
 void pair_dot(const UnalignedWord* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t depth,
               int64_t rows, int64_t vecs, float* c, int64_t ldc) {
   const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
-  for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {
-    with_count<kMaxBlockVecs>(min_i64(kMaxBlockVecs, vecs - v0), [&](auto block_vecs) {
-      constexpr int kVecs = decltype(block_vecs)::value;
-      const uint32_t* bv = b + v0 * kLanes;
-      float* cv = c + v0 * kLanes;
-      int64_t r = 0;
-      for (; r + kBlockRows <= rows; r += kBlockRows) {
-        pair_dot_block<Layout, Accumulate, kBlockRows, kVecs>(a + r * row_step, lda, bv, ldb, depth,
-                                                              cv + r * ldc, ldc);
-      }
-      with_count<kBlockRows - 1>(rows - r, [&](auto n) {
-        pair_dot_block<Layout, Accumulate, decltype(n)::value, kVecs>(
-            a + r * row_step, lda, bv, ldb, depth, cv + r * ldc, ldc);
-      });
-    });
-  }
+  for_each_register_block(rows, vecs, [&](auto block_rows, auto block_vecs, int64_t r, int64_t v0) {
+    pair_dot_block<Layout, Accumulate, decltype(block_rows)::value, decltype(block_vecs)::value>(
+        a + r * row_step, lda, b + v0 * kLanes, ldb, depth, c + r * ldc + v0 * kLanes, ldc);
+  });
 }
 
 // Two float32 vectors -> one vector of bfloat16 pairs (lo[q], hi[q]) per lane, rounded to
@@ -316,15 +304,10 @@ inline void attention_forward_bf16_pairs(const AttentionParams& p) {
   const int64_t chunk_words = l.pairs_per_chunk * l.pair_words;
   const int64_t per_thread = round_up(pair_scratch_words(p, l), 16);
   // Words and floats are both 4 bytes: one tracked float allocation holds either.
-  float* packed_f = workspace_alloc_floats(chunk_words);
-  float* scratch = nullptr;
-  try {
-    scratch = workspace_alloc_floats(per_thread * threads);
-  } catch (...) {
-    workspace_free_floats(packed_f, chunk_words);
-    throw;
-  }
-  uint32_t* packed = reinterpret_cast<uint32_t*>(packed_f);
+  const WorkspaceBuffer packed_buffer(chunk_words);
+  const WorkspaceBuffer scratch_buffer(per_thread * threads);
+  uint32_t* packed = reinterpret_cast<uint32_t*>(packed_buffer.data());
+  float* scratch = scratch_buffer.data();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -338,23 +321,16 @@ inline void attention_forward_bf16_pairs(const AttentionParams& p) {
         pack_pair_rows(p, l, first + local, k0, count, packed + local * l.pair_words);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < chunk_pairs * group * q_tiles; ++task) {
-        const int64_t local = task / (group * q_tiles);
-        const int64_t rest = task % (group * q_tiles);
-        const int64_t pair = first + local;
-        QueryTile tile{};
-        tile.batch = pair / p.heads_kv;
-        tile.head = (pair % p.heads_kv) * group + rest / q_tiles;
-        tile.q0 = (rest % q_tiles) * l.block_q;
-        tile.rows = min_i64(l.block_q, p.len_q - tile.q0);
-        tile.vecs = ceil_div(tile.rows, kLanes);
-        const uint32_t* vp = packed + local * l.pair_words;
+      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
+        const QueryTask task = query_task(p, first, index, q_tiles, l.block_q);
+        const QueryTile& tile = task.tile;
+        const uint32_t* vp = packed + task.local * l.pair_words;
         const UnalignedWord* k;
         int64_t k_row_words;
         if (l.k_in_place) {
           k = reinterpret_cast<const UnalignedWord*>(static_cast<const uint16_t*>(p.k) +
                                                      tile.batch * p.k_stride[0] +
-                                                     (pair % p.heads_kv) * p.k_stride[1]);
+                                                     task.hkv * p.k_stride[1]);
           k_row_words = p.k_stride[2] / 2;
         } else {
           k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * p.head_dim_v);
@@ -364,8 +340,6 @@ inline void attention_forward_bf16_pairs(const AttentionParams& p) {
       }
     }
   }
-  workspace_free_floats(scratch, per_thread * threads);
-  workspace_free_floats(packed_f, chunk_words);
 }
 
 }  // namespace

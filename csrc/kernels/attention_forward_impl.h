@@ -132,6 +132,31 @@ struct QueryTile {
   int64_t batch, head, q0, rows, vecs;  // vecs = ceil(rows / kLanes)
 };
 
+// Task `index` of a chunk of (batch, kv-head) pairs starting at pair `first`: every
+// (pair, q-head of its GQA group, query tile of block_q) is one task. `local` is the pair's
+// position in the chunk (where its packed K/V live). Shared by every forward driver.
+struct QueryTask {
+  QueryTile tile;
+  int64_t local;
+  int64_t hkv;
+};
+
+QueryTask query_task(const AttentionParams& p, int64_t first, int64_t index, int64_t q_tiles,
+                     int64_t block_q) {
+  const int64_t group = p.heads_q / p.heads_kv;
+  QueryTask t{};
+  t.local = index / (group * q_tiles);
+  const int64_t rest = index % (group * q_tiles);
+  const int64_t pair = first + t.local;
+  t.hkv = pair % p.heads_kv;
+  t.tile.batch = pair / p.heads_kv;
+  t.tile.head = t.hkv * group + rest / q_tiles;
+  t.tile.q0 = (rest % q_tiles) * block_q;
+  t.tile.rows = min_i64(block_q, p.len_q - t.tile.q0);
+  t.tile.vecs = ceil_div(t.tile.rows, kLanes);
+  return t;
+}
+
 // ---------------------------------------------------------------- block transpose
 // Shuffle masks for one stage of an in-register kLanes x kLanes transpose: with distance d,
 // rows i and i+d (i & d == 0) exchange their off-diagonal d-wide blocks. Stages d = kLanes/2,
@@ -391,14 +416,10 @@ void attention_forward_typed(const AttentionParams& p) {
   // surfaces as std::bad_alloc to the caller instead of terminating inside OpenMP.
   const int64_t chunk_floats = t.pairs_per_chunk * t.pair_floats;
   const int64_t per_thread = round_up(scratch_floats(p, t), 16);
-  float* packed = workspace_alloc_floats(chunk_floats);
-  float* scratch = nullptr;
-  try {
-    scratch = workspace_alloc_floats(per_thread * threads);
-  } catch (...) {
-    workspace_free_floats(packed, chunk_floats);
-    throw;
-  }
+  const WorkspaceBuffer packed_buffer(chunk_floats);
+  const WorkspaceBuffer scratch_buffer(per_thread * threads);
+  float* packed = packed_buffer.data();
+  float* scratch = scratch_buffer.data();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -421,22 +442,14 @@ void attention_forward_typed(const AttentionParams& p) {
       }
       // Phase 2: every (pair, q-head of its group, query tile) is an independent task.
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < chunk_pairs * group * q_tiles; ++task) {
-        const int64_t local = task / (group * q_tiles);
-        const int64_t rest = task % (group * q_tiles);
-        const int64_t pair = first + local;
-        QueryTile tile{};
-        tile.batch = pair / p.heads_kv;
-        tile.head = (pair % p.heads_kv) * group + rest / q_tiles;
-        tile.q0 = (rest % q_tiles) * t.block_q;
-        tile.rows = min_i64(t.block_q, p.len_q - tile.q0);
-        tile.vecs = ceil_div(tile.rows, kLanes);
-        run_query_tile<T>(p, t, pair_rows(p, t, packed + local * t.pair_floats, pair), tile, ws);
+      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
+        const QueryTask task = query_task(p, first, index, q_tiles, t.block_q);
+        const KeyValueRows kv =
+            pair_rows(p, t, packed + task.local * t.pair_floats, first + task.local);
+        run_query_tile<T>(p, t, kv, task.tile, ws);
       }
     }
   }
-  workspace_free_floats(scratch, per_thread * threads);
-  workspace_free_floats(packed, chunk_floats);
 }
 
 void attention_forward_tiled(const AttentionParams& p) {

@@ -251,27 +251,31 @@ void broadcast_fma_block(const float* a, int64_t lda, const float* b, int64_t ld
     for (int v = 0; v < Vecs; ++v) store(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-// Runs broadcast_fma_block over `rows` x `vecs`, choosing block shapes for remainders.
+// Covers `rows` x `vecs` with register blocks of at most kBlockRows x kMaxBlockVecs (smaller at
+// the edges), calling block(Count<Rows>, Count<Vecs>, first_row, first_vec) for each, so every
+// product kernel gets compile-time block shapes.
+template <typename Block>
+NPU_ATTN_VEC_INLINE void for_each_register_block(int64_t rows, int64_t vecs, Block&& block) {
+  for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {
+    with_count<kMaxBlockVecs>(min_i64(kMaxBlockVecs, vecs - v0), [&](auto block_vecs) {
+      int64_t r = 0;
+      for (; r + kBlockRows <= rows; r += kBlockRows) block(Count<kBlockRows>{}, block_vecs, r, v0);
+      with_count<kBlockRows - 1>(rows - r,
+                                 [&](auto block_rows) { block(block_rows, block_vecs, r, v0); });
+    });
+  }
+}
+
+// Runs broadcast_fma_block over `rows` x `vecs`.
 template <ALayout Layout, bool Accumulate>
 void broadcast_fma(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth,
                    int64_t rows, int64_t vecs, float* c, int64_t ldc) {
   const int64_t row_step = Layout == ALayout::kRowMajor ? lda : 1;
-  for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {
-    with_count<kMaxBlockVecs>(min_i64(kMaxBlockVecs, vecs - v0), [&](auto block_vecs) {
-      constexpr int kVecs = decltype(block_vecs)::value;
-      const float* bv = b + v0 * kLanes;
-      float* cv = c + v0 * kLanes;
-      int64_t r = 0;
-      for (; r + kBlockRows <= rows; r += kBlockRows) {
-        broadcast_fma_block<Layout, Accumulate, kBlockRows, kVecs>(a + r * row_step, lda, bv, ldb,
-                                                                   depth, cv + r * ldc, ldc);
-      }
-      with_count<kBlockRows - 1>(rows - r, [&](auto n) {
-        broadcast_fma_block<Layout, Accumulate, decltype(n)::value, kVecs>(
-            a + r * row_step, lda, bv, ldb, depth, cv + r * ldc, ldc);
-      });
-    });
-  }
+  for_each_register_block(rows, vecs, [&](auto block_rows, auto block_vecs, int64_t r, int64_t v0) {
+    broadcast_fma_block<Layout, Accumulate, decltype(block_rows)::value,
+                        decltype(block_vecs)::value>(a + r * row_step, lda, b + v0 * kLanes, ldb,
+                                                     depth, c + r * ldc + v0 * kLanes, ldc);
+  });
 }
 
 }  // namespace

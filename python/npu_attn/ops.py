@@ -203,36 +203,12 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    args = (grad_out, query, key, value, attn_mask, out, lse)
+    flags = (ctx.is_causal, ctx.scale, ctx.enable_gqa)
     if not ctx.mask_grad and query.dtype != torch.float64:
-        dq, dk, dv = backward_cpu(
-            grad_out,
-            query,
-            key,
-            value,
-            attn_mask,
-            out,
-            lse,
-            ctx.is_causal,
-            ctx.scale,
-            ctx.enable_gqa,
-            grad_lse,
-        )
-        return dq, dk, dv, None, None, None, None
-    dq, dk, dv, dmask = attention_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        attn_mask,
-        out,
-        lse,
-        ctx.is_causal,
-        ctx.scale,
-        ctx.enable_gqa,
-        ctx.mask_grad,
-        grad_lse,
-    )
-    return dq, dk, dv, dmask, None, None, None
+        return (*backward_cpu(*args, *flags, grad_lse), None, None, None, None)
+    # The C++ kernel produces no d(mask) and no float64: the torch-ops routine does both.
+    return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
 
 
 torch.library.register_autograd("npu_attn::sdpa_forward", _backward, setup_context=_setup_context)

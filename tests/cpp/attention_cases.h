@@ -24,8 +24,8 @@ struct Case {
   Layout layout = Layout::kBHSD;
   MaskCase mask = MaskCase::kNone;
   bool causal = false;
-  float input_scale = 1.0f;             // multiplies q to produce large logits
-  std::optional<double> softmax_scale;  // the `scale` argument (default 1/sqrt(D))
+  float input_scale = 1.0f;                            // multiplies q to produce large logits
+  std::optional<double> softmax_scale = std::nullopt;  // `scale` argument (default 1/sqrt(D))
 
   std::string describe() const {
     std::ostringstream os;
