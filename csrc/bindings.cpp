@@ -149,6 +149,41 @@ npu_attn::Isa isa_from_name(const std::string& name) {
   return *isa;
 }
 
+npu_attn::ElementType element_from_name(const std::string& name) {
+  for (int i = 0; i < npu_attn::kElementTypeCount; ++i) {
+    const auto element = static_cast<npu_attn::ElementType>(i);
+    if (name == npu_attn::element_type_name(element)) return element;
+  }
+  throw py::value_error("dtype must be 'float32', 'bfloat16' or 'float16', got '" + name + "'");
+}
+
+npu_attn::ShapeClass shape_class_from_name(const std::string& name) {
+  const auto shape = npu_attn::parse_shape_class(name);
+  if (!shape) {
+    throw py::value_error(
+        "shape_class must be 'self-attention', 'cross-attention' or 'large head dim', got '" +
+        name + "'");
+  }
+  return *shape;
+}
+
+// The variant table as Python dicts: what each variant needs and runs, and whether it runs here.
+py::list variant_table() {
+  py::list rows;
+  for (const npu_attn::KernelVariant& v : npu_attn::kernel_variants()) {
+    py::dict row, kernels;
+    for (int i = 0; i < npu_attn::kElementTypeCount; ++i)
+      kernels[npu_attn::element_type_name(static_cast<npu_attn::ElementType>(i))] =
+          v.forward_kernel[i];
+    row["name"] = v.name;
+    row["needs"] = v.needs;
+    row["runnable"] = v.runs_on(npu_attn::cpu_features());
+    row["forward_kernel"] = kernels;
+    rows.append(row);
+  }
+  return rows;
+}
+
 std::vector<std::string> isa_names(const std::vector<npu_attn::Isa>& isas) {
   std::vector<std::string> names;
   for (auto isa : isas) names.emplace_back(npu_attn::isa_name(isa));
@@ -162,7 +197,9 @@ void forward(py::handle query, py::handle key, py::handle value, py::handle out,
   const auto args = collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal,
                                       enable_gqa, num_threads);
   const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
-  const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+  const npu_attn::Isa variant =
+      isa ? isa_from_name(*isa)
+          : npu_attn::active_isa(params.element, npu_attn::shape_class(params));
   py::gil_scoped_release no_gil;
   if (reference) {
     npu_attn::attention_reference(params);
@@ -186,7 +223,9 @@ void backward(py::handle query, py::handle key, py::handle value, py::handle out
   args.grad_key = to_view(grad_key, true, "grad_key");
   args.grad_value = to_view(grad_value, true, "grad_value");
   const npu_attn::AttentionBackwardParams params = npu_attn::make_attention_backward_params(args);
-  const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+  const npu_attn::Isa variant =
+      isa ? isa_from_name(*isa)
+          : npu_attn::active_isa(params.fwd.element, npu_attn::shape_class(params.fwd));
   py::gil_scoped_release no_gil;
   if (reference) {
     npu_attn::attention_backward_reference(params);
@@ -242,11 +281,42 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("get_num_threads", &npu_attn::get_num_threads);
   m.def("set_num_threads", &npu_attn::set_num_threads, py::arg("threads"));
-  m.def("active_isa", [] { return std::string(npu_attn::isa_name(npu_attn::active_isa())); });
   m.def(
-      "set_isa", [](const std::string& name) { npu_attn::set_active_isa(isa_from_name(name)); },
-      py::arg("name"));
-  m.def("best_isa", [] { return std::string(npu_attn::isa_name(npu_attn::best_isa())); });
+      "active_isa",
+      [](const std::string& dtype, const std::string& shape) {
+        return std::string(npu_attn::isa_name(
+            npu_attn::active_isa(element_from_name(dtype), shape_class_from_name(shape))));
+      },
+      py::arg("dtype") = "float32", py::arg("shape_class") = "self-attention");
+  m.def(
+      "set_isa",
+      [](const std::string& name, std::optional<std::string> dtype,
+         std::optional<std::string> shape) {
+        const npu_attn::Isa isa = isa_from_name(name);
+        if (shape && !dtype) throw py::value_error("shape_class needs a dtype");
+        if (dtype && shape) {
+          npu_attn::set_active_isa(isa, element_from_name(*dtype), shape_class_from_name(*shape));
+        } else if (dtype) {
+          npu_attn::set_active_isa(isa, element_from_name(*dtype));
+        } else {
+          npu_attn::set_active_isa(isa);
+        }
+      },
+      py::arg("name"), py::arg("dtype") = py::none(), py::arg("shape_class") = py::none(),
+      "Make `name` the active variant for `dtype` and `shape_class` (default: all).");
+  m.def("shape_classes", [] {
+    std::vector<std::string> names;
+    for (int i = 0; i < npu_attn::kShapeClassCount; ++i)
+      names.emplace_back(npu_attn::shape_class_name(static_cast<npu_attn::ShapeClass>(i)));
+    return names;
+  });
+  m.def(
+      "default_isa",
+      [](const std::string& dtype) {
+        return std::string(npu_attn::isa_name(npu_attn::default_isa(element_from_name(dtype))));
+      },
+      py::arg("dtype") = "float32", "The variant chosen by rule, before any measurement.");
+  m.def("variants", &variant_table, "The compiled kernel variants (the C++ variant table).");
   m.def("compiled_isas", [] { return isa_names(npu_attn::compiled_isas()); });
   m.def("runnable_isas", [] { return isa_names(npu_attn::runnable_isas()); });
   m.def("workspace_stats", [] {
@@ -267,7 +337,7 @@ PYBIND11_MODULE(_C, m) {
     d["l1d_bytes"] = c.l1d_bytes;
     d["l2_bytes"] = c.l2_bytes;
     d["l3_bytes"] = c.l3_bytes;
-    d["features"] = c.feature_names();
+    d["features"] = c.features.names();
     d["compiled_isas"] = isa_names(npu_attn::compiled_isas());
     d["runnable_isas"] = isa_names(npu_attn::runnable_isas());
     d["active_isa"] = std::string(npu_attn::isa_name(npu_attn::active_isa()));
@@ -295,6 +365,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa") = py::none(), py::arg("threads") = 1, py::arg("seconds") = 0.3,
       "Measured fp32 FMA peak of this machine in GFLOP/s.");
 
-  // Choose the kernel variant now so a bad NPU_ATTN_ISA fails at import with a clear message.
-  npu_attn::active_isa();
+  // Detect the CPU and choose the variants now, so a bad NPU_ATTN_ISA or
+  // NPU_ATTN_DISABLE_FEATURES fails at import with a clear message.
+  for (int i = 0; i < npu_attn::kElementTypeCount; ++i)
+    npu_attn::active_isa(static_cast<npu_attn::ElementType>(i));
 }

@@ -1,6 +1,12 @@
-// Runtime ISA dispatch: which kernel variants were compiled, which the CPU can run, and which
-// one is active. The active variant is chosen once (best supported, or NPU_ATTN_ISA) and can be
-// changed explicitly, e.g. by tests that run every variant.
+// Runtime ISA dispatch. One table (kernel_variants()) lists every kernel variant compiled into
+// this build: its name, what the CPU and OS must support, its forward and backward kernels and
+// its peak probe. Everything else (names, parsing, which variants run here, the doctor's and
+// Python's lists, the tests' parameterisation) reads that table.
+//
+// A variant is active per element type: float32, bfloat16 and float16 may each run on the
+// variant that is fastest for them on this machine. Before anyone measures (the Python package
+// measures on first use and caches the result), the default for an element type is the most
+// specialised runnable variant for it; NPU_ATTN_ISA forces one variant for every type.
 #pragma once
 
 #include <optional>
@@ -8,38 +14,77 @@
 #include <vector>
 
 #include "attention_params.h"
+#include "system_info.h"
 
 namespace npu_attn {
 
-// kAvx512Bf16 and kAmxBf16 are avx512 plus a bfloat16 forward kernel on AVX-512-BF16 dot
-// products or on AMX tiles. best_isa() prefers amx_bf16, then avx512; avx512_bf16 is only used
-// when asked for: vdpbf16ps issues at half the rate of FMA on the CPUs we know, so it was
-// measured slower than widening to float32 (BENCHMARKS.md).
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
+constexpr int kElementTypeCount = 3;  // ElementType's values index per-type arrays
+
+// Calls are grouped into shape classes because the fastest variant can differ between them
+// (e.g. few keys make a variant's per-tile overheads dominate; a huge head dim changes which
+// product dominates). A variant is active per (element type, shape class).
+enum class ShapeClass : int { kSelfAttention = 0, kCrossAttention = 1, kLargeHeadDim = 2 };
+constexpr int kShapeClassCount = 3;
+constexpr int64_t kCrossAttentionMaxKeys = 128;  // e.g. 77 text tokens
+constexpr int64_t kLargeHeadDimMin = 257;        // e.g. the VAE's single 512-wide head
+ShapeClass shape_class(const AttentionParams& params);
+const char* shape_class_name(ShapeClass shape);  // "self-attention" | "cross-attention" | ...
+std::optional<ShapeClass> parse_shape_class(const std::string& name);
+
+// One row of the variant table. Rows are ordered from least to most specialised.
+struct KernelVariant {
+  Isa isa;
+  const char* name;   // "scalar" | "avx2" | "avx512" | "avx512_bf16" | "amx_bf16"
+  const char* needs;  // what the CPU (and OS) must support, for people
+  bool (*runs_on)(const CpuFeatures& features);
+  void (*forward)(const AttentionParams& params);
+  void (*backward)(const AttentionBackwardParams& params);
+  double (*fma_peak_gflops)(int threads, double seconds);
+  // The forward kernel this variant runs for each ElementType, e.g. {"avx512 fp32 FMA",
+  // "AMX tiles", "avx512 fp32 FMA"}: variants with equal entries run the same code for that
+  // type, so measuring one of them measures all.
+  const char* forward_kernel[kElementTypeCount];
+};
+
+const std::vector<KernelVariant>& kernel_variants();  // the compiled ones, in table order
+const KernelVariant& kernel_variant(Isa isa);         // throws if `isa` is not compiled
+
 const char* isa_name(Isa isa);
-// "scalar" | "avx2" | "avx512" | "avx512_bf16" | "amx_bf16"
 std::optional<Isa> parse_isa(const std::string& name);
-std::string isa_choices();  // "scalar, avx2, avx512, avx512_bf16, amx_bf16", for messages
+std::string isa_choices();                           // "scalar, avx2, ...", for messages
+const char* element_type_name(ElementType element);  // "float32" | "bfloat16" | "float16"
 
 bool isa_compiled(Isa isa);
-bool isa_supported_by_cpu(Isa isa);
+bool isa_runs_on(Isa isa, const CpuFeatures& features);  // compiled and runnable there
+bool isa_supported_by_cpu(Isa isa);                      // isa_runs_on(isa, cpu_features())
 std::vector<Isa> compiled_isas();
-std::vector<Isa> runnable_isas();  // compiled and supported by this CPU, ascending
-Isa best_isa();
+std::vector<Isa> runnable_isas(const CpuFeatures& features);
+std::vector<Isa> runnable_isas();  // on this CPU, least specialised first
 
-// Selects the variant from NPU_ATTN_ISA if set, else the best one. Throws std::runtime_error
-// naming the variable if it names an unknown variant or one this machine cannot run.
-Isa select_isa_from_environment();
+// The variant used for `element` until something else is chosen: the most specialised variant
+// runnable on `features` for that type (the first row running the same forward kernel as the
+// last runnable row). A rule, not a measurement: the Python package measures and overrides it.
+Isa default_isa(ElementType element, const CpuFeatures& features);
+Isa default_isa(ElementType element);
 
-Isa active_isa();
-void set_active_isa(Isa isa);  // throws std::runtime_error if not runnable here
+// NPU_ATTN_ISA if set (for every element type), else default_isa(element). Throws
+// std::runtime_error naming the variable for an unknown variant or one this CPU cannot run.
+Isa select_isa_from_environment(ElementType element);
 
-// Runs the forward kernel of `isa` (default: the active one). Params must be validated.
+// The variant that runs `element` calls of `shape` (default: self-attention). The setters throw
+// std::runtime_error if this CPU cannot run `isa`.
+Isa active_isa(ElementType element = ElementType::kFloat32,
+               ShapeClass shape = ShapeClass::kSelfAttention);
+void set_active_isa(Isa isa);                       // every element type and shape class
+void set_active_isa(Isa isa, ElementType element);  // every shape class of `element`
+void set_active_isa(Isa isa, ElementType element, ShapeClass shape);
+
+// Run the kernel of `isa` (default: the one active for params' element type and shape class).
+// Params must be validated (make_attention_params / make_attention_backward_params).
 void run_attention_forward(const AttentionParams& params);
 void run_attention_forward(const AttentionParams& params, Isa isa);
-
-// Runs the backward kernel of `isa` (default: the active one). Params must be validated.
 void run_attention_backward(const AttentionBackwardParams& params);
 void run_attention_backward(const AttentionBackwardParams& params, Isa isa);
 

@@ -2,15 +2,20 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include "workspace.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
 #endif
 
 namespace npu_attn {
@@ -50,7 +55,7 @@ int64_t cache_bytes(int level, const char* type) {
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-void fill_x86(CpuInfo& info) {
+void fill_identity(CpuInfo& info) {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid(0, &a, &b, &c, &d)) {
     char vendor[13] = {};
@@ -69,41 +74,118 @@ void fill_x86(CpuInfo& info) {
   }
   info.model = brand;
   while (!info.model.empty() && info.model.back() == ' ') info.model.pop_back();
+}
+
+// Linux 5.16+ hands out the AMX tile data state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM); without it the first tile instruction kills the process with SIGILL.
+bool os_permits_amx() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtileData = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+#else
+  return false;
+#endif
+}
+
+CpuFeatures detect_features() {
+  CpuFeatures f;
   // __builtin_cpu_supports also checks that the OS saves the AVX/AVX-512 register state.
-  info.sse42 = __builtin_cpu_supports("sse4.2");
-  info.avx2 = __builtin_cpu_supports("avx2");
-  info.fma = __builtin_cpu_supports("fma");
-  info.f16c = __builtin_cpu_supports("f16c");
-  info.avx512f = __builtin_cpu_supports("avx512f");
-  info.avx512bw = __builtin_cpu_supports("avx512bw");
-  info.avx512vl = __builtin_cpu_supports("avx512vl");
-  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) info.avx512_bf16 = info.avx512f && (a & (1u << 5));
+  f.sse42 = __builtin_cpu_supports("sse4.2");
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = __builtin_cpu_supports("f16c");
+  f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+  f.avx512dq = __builtin_cpu_supports("avx512dq");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = f.avx512f && (a & (1u << 5));
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
-    info.amx_bf16 = d & (1u << 22);
-    info.amx_tile = d & (1u << 24);
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+    if (tile && bf16 && f.avx512f && os_permits_amx()) f.amx_tile = f.amx_bf16 = true;
   }
+  return f;
+}
+#else
+void fill_identity(CpuInfo&) {}
+CpuFeatures detect_features() {
+  return {};
 }
 #endif
 
+// The one list of feature names: name and member, in the order they are reported.
+struct FeatureField {
+  const char* name;
+  bool CpuFeatures::*member;
+};
+constexpr FeatureField kFeatureFields[] = {
+    {"sse4.2", &CpuFeatures::sse42},
+    {"avx2", &CpuFeatures::avx2},
+    {"fma", &CpuFeatures::fma},
+    {"f16c", &CpuFeatures::f16c},
+    {"avx512f", &CpuFeatures::avx512f},
+    {"avx512bw", &CpuFeatures::avx512bw},
+    {"avx512vl", &CpuFeatures::avx512vl},
+    {"avx512dq", &CpuFeatures::avx512dq},
+    {"avx512_bf16", &CpuFeatures::avx512_bf16},
+    {"amx_tile", &CpuFeatures::amx_tile},
+    {"amx_bf16", &CpuFeatures::amx_bf16},
+};
+
 }  // namespace
 
-std::vector<std::string> CpuInfo::feature_names() const {
-  std::vector<std::string> names;
-  const std::pair<const char*, bool> all[] = {{"sse4.2", sse42},      {"avx2", avx2},
-                                              {"fma", fma},           {"f16c", f16c},
-                                              {"avx512f", avx512f},   {"avx512bw", avx512bw},
-                                              {"avx512vl", avx512vl}, {"avx512_bf16", avx512_bf16},
-                                              {"amx_tile", amx_tile}, {"amx_bf16", amx_bf16}};
-  for (const auto& [name, present] : all)
-    if (present) names.emplace_back(name);
-  return names;
+std::vector<std::string> CpuFeatures::names() const {
+  std::vector<std::string> out;
+  for (const auto& field : kFeatureFields)
+    if (this->*field.member) out.emplace_back(field.name);
+  return out;
+}
+
+std::string cpu_feature_choices() {
+  std::string out;
+  for (const auto& field : kFeatureFields) out += std::string(out.empty() ? "" : ", ") + field.name;
+  return out;
+}
+
+CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled) {
+  std::stringstream list(disabled);
+  std::string name;
+  while (std::getline(list, name, ',')) {
+    while (!name.empty() && name.front() == ' ') name.erase(name.begin());
+    while (!name.empty() && name.back() == ' ') name.pop_back();
+    if (name.empty()) continue;
+    bool known = false;
+    for (const auto& field : kFeatureFields) {
+      if (name == field.name) {
+        features.*field.member = false;
+        known = true;
+      }
+    }
+    if (!known) {
+      throw std::invalid_argument("unknown CPU feature '" + name + "'; expected some of " +
+                                  cpu_feature_choices());
+    }
+  }
+  return features;
+}
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = [] {
+    const char* disabled = std::getenv("NPU_ATTN_DISABLE_FEATURES");
+    try {
+      return mask_cpu_features(detect_features(), disabled ? disabled : "");
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(std::string("NPU_ATTN_DISABLE_FEATURES: ") + e.what());
+    }
+  }();
+  return features;
 }
 
 CpuInfo query_cpu_info() {
   CpuInfo info;
-#if defined(__x86_64__) || defined(__i386__)
-  fill_x86(info);
-#endif
+  fill_identity(info);
+  info.features = cpu_features();
   info.logical_cores = static_cast<int>(std::thread::hardware_concurrency());
   info.l1d_bytes = cache_bytes(1, "Data");
   info.l2_bytes = cache_bytes(2, "Unified");

@@ -7,16 +7,35 @@
 
 namespace npu_attn {
 
+// The ISA features the kernels care about: what the CPU reports and the OS enables (AVX/AVX-512
+// register state saved by the OS; AMX tile data permitted for this process). Detected once, in
+// one place, and read by dispatch, the doctor and the DeviceManager alike.
+struct CpuFeatures {
+  bool sse42 = false, avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512_bf16 = false;
+  bool amx_tile = false, amx_bf16 = false;  // AMX: only when the OS granted the permission
+  std::vector<std::string> names() const;   // the ones present, e.g. {"avx2", "fma", ...}
+};
+
+// Every feature name CpuFeatures knows, for messages ("sse4.2, avx2, ...").
+std::string cpu_feature_choices();
+
+// `features` with the comma-separated names in `disabled` turned off (e.g. "amx_bf16,avx512f"),
+// to emulate a smaller CPU. Throws std::invalid_argument naming an unknown feature.
+CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled);
+
+// This machine's features, detected on first use, minus the ones named in the environment
+// variable NPU_ATTN_DISABLE_FEATURES (emulates CPUs without AMX, AVX512-BF16, AVX-512 ...).
+// On the first call this also asks Linux for permission to use AMX tile data (arch_prctl).
+const CpuFeatures& cpu_features();
+
 struct CpuInfo {
   std::string vendor;  // e.g. "GenuineIntel"
   std::string model;   // brand string
   int logical_cores = 0;
   int64_t l1d_bytes = 0, l2_bytes = 0, l3_bytes = 0;  // 0 if unknown
-  // ISA features the CPU reports (and, for AVX/AVX-512, the OS enables).
-  bool sse42 = false, avx2 = false, fma = false, f16c = false;
-  bool avx512f = false, avx512bw = false, avx512vl = false, avx512_bf16 = false;
-  bool amx_tile = false, amx_bf16 = false;
-  std::vector<std::string> feature_names() const;  // the ones present
+  CpuFeatures features;                               // = cpu_features()
 };
 
 struct MemoryInfo {

@@ -78,7 +78,7 @@ void expect_backward_matches(const Case& c, Isa isa, bool with_grad_lse = false,
   EXPECT_LE(max_abs_diff(pr.dv, pr.ref_dv), rel * std::max(1.0, max_abs(pr.ref_dv)));
 }
 
-class BackwardEveryIsa : public ::testing::TestWithParam<Isa> {};
+class BackwardEveryIsa : public PerVariant {};
 
 TEST_P(BackwardEveryIsa, MatchesReferenceOnShapeGrid) {
   std::vector<Case> cases;
@@ -210,10 +210,8 @@ TEST_P(BackwardEveryIsa, WorkspaceIsReleasedAndLinearInSequenceLength) {
   EXPECT_LT(large, 2048LL * 2048 * 4 / 4);  // far below one head's score matrix
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, BackwardEveryIsa, ::testing::ValuesIn(runnable_isas()),
-                         [](const ::testing::TestParamInfo<Isa>& info) {
-                           return std::string(isa_name(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, BackwardEveryIsa, ::testing::ValuesIn(compiled_isas()),
+                         variant_test_name);
 
 // ---------------------------------------------------------------- validation
 struct ValidBackward : ::testing::Test {

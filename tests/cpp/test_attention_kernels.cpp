@@ -43,7 +43,7 @@ void expect_matches_reference(const Case& c, Isa isa, uint32_t seed = 1, double 
   EXPECT_LE(lse_err, 1e-5);
 }
 
-class EveryIsa : public ::testing::TestWithParam<Isa> {};
+class EveryIsa : public PerVariant {};
 
 std::vector<Case> shape_grid() {
   std::vector<Case> cases;
@@ -195,27 +195,8 @@ TEST_P(EveryIsa, WorkspaceIsReleasedAndLinearInSequenceLength) {
   EXPECT_LT(large, 4096LL * 4096 * 4 / 8);  // far below one head's score matrix
 }
 
-std::vector<Isa> runnable() {
-  return runnable_isas();
-}
-
-INSTANTIATE_TEST_SUITE_P(Kernels, EveryIsa, ::testing::ValuesIn(runnable()),
-                         [](const ::testing::TestParamInfo<Isa>& info) {
-                           return std::string(isa_name(info.param));
-                         });
-
-TEST(Dispatch, BestIsaIsRunnableAndScalarAlwaysPresent) {
-  const auto isas = runnable_isas();
-  ASSERT_FALSE(isas.empty());
-  EXPECT_EQ(isas.front(), Isa::kScalar);
-  EXPECT_EQ(best_isa(), isas.back());
-  EXPECT_TRUE(isa_supported_by_cpu(active_isa()));
-}
-
-TEST(Dispatch, ParseIsaRoundTrips) {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
-  EXPECT_FALSE(parse_isa("sse9").has_value());
-}
+INSTANTIATE_TEST_SUITE_P(Kernels, EveryIsa, ::testing::ValuesIn(compiled_isas()),
+                         variant_test_name);
 
 }  // namespace
 }  // namespace npu_attn::testing

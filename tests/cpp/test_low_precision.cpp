@@ -66,7 +66,7 @@ double unit_roundoff(DType dtype) {
   return dtype == DType::kBFloat16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
 }
 
-class LowPrecision : public ::testing::TestWithParam<Isa> {};
+class LowPrecision : public PerVariant {};
 
 std::vector<Case> low_precision_shapes() {
   std::vector<Case> cases = {
@@ -185,10 +185,8 @@ TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, LowPrecision, ::testing::ValuesIn(runnable_isas()),
-                         [](const ::testing::TestParamInfo<Isa>& info) {
-                           return std::string(isa_name(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Kernels, LowPrecision, ::testing::ValuesIn(compiled_isas()),
+                         variant_test_name);
 
 }  // namespace
 }  // namespace npu_attn::testing

@@ -1,16 +1,36 @@
 // Helpers for the C++ tests: owning tensors with arbitrary layouts and a comparison helper.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention.h"
+#include "dispatch.h"
 
 namespace npu_attn::testing {
+
+// Base of the tests that run once per compiled kernel variant: a variant this CPU cannot run is
+// skipped with the reason (never silently dropped from the list).
+class PerVariant : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported_by_cpu(GetParam())) {
+      GTEST_SKIP() << "this CPU cannot run kernel variant '" << isa_name(GetParam()) << "' (needs "
+                   << kernel_variant(GetParam()).needs << ")";
+    }
+  }
+};
+
+inline std::string variant_test_name(const ::testing::TestParamInfo<Isa>& info) {
+  return isa_name(info.param);
+}
 
 // A 4-D (or any-rank) float/bool tensor stored in a permuted memory order so tests can build
 // (B,H,S,D) and (B,S,H,D) layouts alike. `order` lists logical dims from outermost to innermost

@@ -1,0 +1,156 @@
+// The variant table and the choice of variant, checked for every CPU this code may meet: the
+// real one (whatever it is) and emulated ones (features masked in the detector's output).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "dispatch.h"
+#include "system_info.h"
+
+namespace npu_attn {
+namespace {
+
+constexpr ElementType kAllElements[] = {ElementType::kFloat32, ElementType::kBFloat16,
+                                        ElementType::kFloat16};
+
+CpuFeatures every_feature() {
+  CpuFeatures f;
+  f.sse42 = f.avx2 = f.fma = f.f16c = true;
+  f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = true;
+  f.amx_tile = f.amx_bf16 = true;
+  return f;
+}
+
+bool contains(const std::vector<Isa>& isas, Isa isa) {
+  return std::find(isas.begin(), isas.end(), isa) != isas.end();
+}
+
+TEST(VariantTable, NamesAreUniqueAndRoundTrip) {
+  std::set<std::string> names;
+  for (const KernelVariant& v : kernel_variants()) {
+    EXPECT_TRUE(names.insert(v.name).second) << v.name;
+    EXPECT_STREQ(isa_name(v.isa), v.name);
+    EXPECT_EQ(parse_isa(v.name), v.isa);
+    EXPECT_NE(v.forward, nullptr);
+    EXPECT_NE(v.backward, nullptr);
+    EXPECT_NE(v.fma_peak_gflops, nullptr);
+    for (const char* kernel : v.forward_kernel) EXPECT_NE(std::string(kernel), "");
+  }
+  EXPECT_FALSE(parse_isa("sse9").has_value());
+  EXPECT_EQ(kernel_variants().front().isa, Isa::kScalar);
+}
+
+TEST(VariantTable, EveryCompiledVariantRunsOnACpuWithEveryFeature) {
+  EXPECT_EQ(runnable_isas(every_feature()), compiled_isas());
+}
+
+TEST(VariantTable, ScalarRunsOnACpuWithNoFeatures) {
+  EXPECT_EQ(runnable_isas(CpuFeatures{}), std::vector<Isa>{Isa::kScalar});
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, CpuFeatures{}), Isa::kScalar);
+}
+
+#if defined(NPU_ATTN_HAVE_AVX512)
+// The CPUs this project has met: Sapphire Rapids (AMX), Zen 4 (AVX512-BF16, no AMX), Skylake-SP
+// (AVX-512, no BF16), Haswell-class (AVX2 only). Masking emulates each one.
+TEST(EmulatedCpu, SapphireRapidsRunsEveryVariant) {
+  const CpuFeatures spr = every_feature();
+  EXPECT_EQ(default_isa(ElementType::kFloat32, spr), Isa::kAvx512);
+  EXPECT_EQ(default_isa(ElementType::kFloat16, spr), Isa::kAvx512);
+  EXPECT_EQ(default_isa(ElementType::kBFloat16, spr), Isa::kAmxBf16);
+}
+
+TEST(EmulatedCpu, Zen4HasNoAmx) {
+  const CpuFeatures zen4 = mask_cpu_features(every_feature(), "amx_tile,amx_bf16");
+  const auto runnable = runnable_isas(zen4);
+  EXPECT_FALSE(contains(runnable, Isa::kAmxBf16));
+  EXPECT_TRUE(contains(runnable, Isa::kAvx512Bf16));
+  EXPECT_EQ(default_isa(ElementType::kFloat32, zen4), Isa::kAvx512);
+  EXPECT_EQ(default_isa(ElementType::kBFloat16, zen4), Isa::kAvx512Bf16);
+}
+
+TEST(EmulatedCpu, AmxWithoutOsPermissionIsNotOffered) {
+  // The detector reports amx_* only when the OS granted the permission; one bit missing is enough.
+  EXPECT_FALSE(
+      contains(runnable_isas(mask_cpu_features(every_feature(), "amx_tile")), Isa::kAmxBf16));
+}
+
+TEST(EmulatedCpu, SkylakeHasNoBf16Variants) {
+  const CpuFeatures skx = mask_cpu_features(every_feature(), "avx512_bf16,amx_tile,amx_bf16");
+  const auto runnable = runnable_isas(skx);
+  EXPECT_EQ(runnable.back(), Isa::kAvx512);
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, skx), Isa::kAvx512);
+}
+
+TEST(EmulatedCpu, Avx2OnlyCpu) {
+  const CpuFeatures hsw = mask_cpu_features(every_feature(), "avx512f");
+  EXPECT_EQ(runnable_isas(hsw), (std::vector<Isa>{Isa::kScalar, Isa::kAvx2}));
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, hsw), Isa::kAvx2);
+}
+#endif
+
+TEST(EmulatedCpu, UnknownFeatureNameIsAnErrorNamingIt) {
+  try {
+    mask_cpu_features(every_feature(), "avx2, avx9000");
+    FAIL() << "expected std::invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("avx9000"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("amx_bf16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ThisCpu, DefaultAndActiveVariantsRunHere) {
+  const auto runnable = runnable_isas();
+  ASSERT_FALSE(runnable.empty());
+  EXPECT_EQ(runnable.front(), Isa::kScalar);
+  for (ElementType e : kAllElements) {
+    EXPECT_TRUE(isa_supported_by_cpu(default_isa(e))) << element_type_name(e);
+    EXPECT_TRUE(isa_supported_by_cpu(active_isa(e))) << element_type_name(e);
+    EXPECT_TRUE(contains(runnable, default_isa(e)));
+  }
+}
+
+TEST(ThisCpu, VariantIsChosenPerElementType) {
+  const Isa fp32 = active_isa(ElementType::kFloat32), bf16 = active_isa(ElementType::kBFloat16);
+  set_active_isa(Isa::kScalar, ElementType::kBFloat16);
+  EXPECT_EQ(active_isa(ElementType::kBFloat16), Isa::kScalar);
+  EXPECT_EQ(active_isa(ElementType::kFloat32), fp32);
+  set_active_isa(bf16, ElementType::kBFloat16);
+  EXPECT_EQ(active_isa(ElementType::kBFloat16), bf16);
+}
+
+TEST(ThisCpu, VariantIsChosenPerShapeClass) {
+  const Isa before = active_isa(ElementType::kFloat32, ShapeClass::kLargeHeadDim);
+  set_active_isa(Isa::kScalar, ElementType::kFloat32, ShapeClass::kLargeHeadDim);
+  EXPECT_EQ(active_isa(ElementType::kFloat32, ShapeClass::kLargeHeadDim), Isa::kScalar);
+  EXPECT_EQ(active_isa(ElementType::kFloat32, ShapeClass::kSelfAttention),
+            active_isa(ElementType::kFloat32));
+  set_active_isa(before, ElementType::kFloat32, ShapeClass::kLargeHeadDim);
+}
+
+TEST(ShapeClasses, ClassifyByKeysAndHeadDim) {
+  AttentionParams p;
+  p.len_k = 4096;
+  p.head_dim = p.head_dim_v = 64;
+  EXPECT_EQ(shape_class(p), ShapeClass::kSelfAttention);
+  p.len_k = 77;
+  EXPECT_EQ(shape_class(p), ShapeClass::kCrossAttention);
+  p.len_k = 4096;
+  p.head_dim_v = 512;
+  EXPECT_EQ(shape_class(p), ShapeClass::kLargeHeadDim);
+  for (int i = 0; i < kShapeClassCount; ++i) {
+    const auto shape = static_cast<ShapeClass>(i);
+    EXPECT_EQ(parse_shape_class(shape_class_name(shape)), shape);
+  }
+}
+
+TEST(ThisCpu, AVariantTheCpuCannotRunIsRefused) {
+  for (const KernelVariant& v : kernel_variants()) {
+    if (isa_supported_by_cpu(v.isa)) continue;
+    EXPECT_THROW(set_active_isa(v.isa), std::runtime_error) << v.name;
+  }
+}
+
+}  // namespace
+}  // namespace npu_attn
