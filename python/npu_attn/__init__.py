@@ -1,7 +1,7 @@
 """npu_attn: fast, exact attention for diffusion models where CUDA flash-attention is missing.
 
-The tiled (flash-style) C++ kernel computes exact attention in O(L) memory on any CPU, with a
-kernel variant chosen for the machine at import (see :func:`active_isa`).
+The tiled (flash-style) C++ kernel computes exact attention in O(L) memory on any CPU, with the
+kernel variant for each dtype measured on the machine at first use (see :func:`kernel_variants`).
 
 Quick start::
 
@@ -14,6 +14,7 @@ from ._runtime import (
     available_isas,
     build_info,
     get_num_threads,
+    kernel_variants,
     set_isa,
     set_num_threads,
     workspace_stats,
@@ -60,6 +61,7 @@ __all__ = [
     "call_counts",
     "default_strategy",
     "get_num_threads",
+    "kernel_variants",
     "reset_attention_strategy",
     "reset_call_counts",
     "scaled_dot_product_attention",

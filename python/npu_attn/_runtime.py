@@ -1,35 +1,41 @@
-"""Kernel runtime controls: threads, ISA variants and build information.
+"""Kernel runtime controls: threads, kernel variants and build information.
 
-The C++ extension chooses the best kernel variant for this CPU once, at import; the
-``NPU_ATTN_ISA`` environment variable (``scalar``, ``avx2`` or ``avx512``) overrides that choice
-and importing fails with a clear message if the machine cannot run the requested variant.
+The C++ extension compiles several kernel variants (``available_isas()``). Which one runs a
+call is chosen per dtype (and shape class) by measurement on first use on a machine and cached
+(see :mod:`npu_attn._variant_choice`); ``NPU_ATTN_ISA`` or :func:`set_isa` force one variant,
+and importing fails with a clear message if the machine cannot run a requested variant.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-from . import _C
+from . import _C, _variant_choice
 
 __all__ = [
     "active_isa",
     "available_isas",
     "build_info",
     "get_num_threads",
+    "kernel_variants",
     "set_isa",
     "set_num_threads",
     "workspace_stats",
 ]
 
+# More threads than this is a mistake, not a configuration (OpenMP would try to start them).
+MAX_THREADS = max(1024, 4 * (os.cpu_count() or 1))
+
 _explicit_threads: Optional[int] = None
 
 
 def set_num_threads(threads: Optional[int]) -> None:
-    """Set the number of threads npu_attn's kernels use.
+    """Set the number of threads npu_attn's kernels use (1 .. ``MAX_THREADS``).
 
     ``None`` restores the default, which follows ``torch.get_num_threads()`` when torch is
-    imported and OpenMP's default otherwise.
+    imported and OpenMP's default otherwise. A rejected value leaves the setting unchanged.
     """
     global _explicit_threads
     if threads is None:
@@ -37,10 +43,10 @@ def set_num_threads(threads: Optional[int]) -> None:
         return
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise TypeError(f"threads must be an int or None, got {type(threads).__name__}")
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be between 1 and {MAX_THREADS}, got {threads}")
+    _C.set_num_threads(threads)  # raises before anything is stored if C++ refuses it
     _explicit_threads = threads
-    _C.set_num_threads(threads)
 
 
 def get_num_threads() -> int:
@@ -53,30 +59,43 @@ def get_num_threads() -> int:
     return int(_C.get_num_threads())
 
 
-def active_isa() -> str:
-    """Name of the kernel variant in use: ``"scalar"``, ``"avx2"``, ``"avx512"``,
-    ``"avx512_bf16"`` or ``"amx_bf16"`` (avx512 plus a bfloat16 forward on AVX-512-BF16 dot
-    products or on AMX tiles)."""
-    return _C.active_isa()
+def active_isa(dtype: str = "float32") -> str:
+    """The kernel variant that runs ``dtype`` ("float32", "bfloat16" or "float16")
+    self-attention on this machine: ``"scalar"``, ``"avx2"``, ``"avx512"``, ``"avx512_bf16"``
+    (bfloat16 on AVX-512-BF16 dot products) or ``"amx_bf16"`` (bfloat16 on AMX tiles).
+    Chooses it now (measuring once per machine) if no call has yet; see
+    :func:`kernel_variants` for every shape class and the reason."""
+    _variant_choice.ensure(dtype)
+    return _C.active_isa(dtype)
+
+
+def kernel_variants() -> dict[str, dict[str, Any]]:
+    """Per dtype: ``choice`` (shape class -> variant), ``source`` (measured when / cached /
+    ``NPU_ATTN_ISA`` / ``set_isa()`` / rule) and, when measured, ``ms`` (best-of-N milliseconds
+    of every candidate per shape class)."""
+    return _variant_choice.report()
 
 
 def available_isas() -> list[str]:
-    """Variants compiled into this build that this CPU can run, slowest first."""
+    """Variants compiled into this build that this CPU can run, least specialised first."""
     return list(_C.runnable_isas())
 
 
-def set_isa(name: str) -> None:
-    """Switch the kernel variant (e.g. to compare variants). Raises if this CPU cannot run it."""
-    known = ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16")
-    if name not in known:
-        raise ValueError(f"isa must be one of {', '.join(map(repr, known))}, got {name!r}")
-    _C.set_isa(name)
+def set_isa(name: Optional[str]) -> None:
+    """Force kernel variant ``name`` for every dtype (e.g. to compare variants); ``None`` goes
+    back to the measured choice. Raises ``ValueError`` for an unknown name and
+    ``RuntimeError`` if this CPU cannot run it."""
+    if name is not None:
+        known = [row["name"] for row in _C.variants()]
+        if name not in known:
+            raise ValueError(f"isa must be one of {', '.join(map(repr, known))}, got {name!r}")
+    _variant_choice.pin(name)
 
 
 def build_info() -> dict:
     """Compiler, OpenMP, Eigen and DLPack versions and the compiled kernel variants."""
     info = dict(_C.build_info())
-    info["active_isa"] = active_isa()
+    info["active_isa"] = {dtype: _C.active_isa(dtype) for dtype in _variant_choice.DTYPES}
     info["runnable_isas"] = available_isas()
     return info
 

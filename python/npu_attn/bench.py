@@ -224,12 +224,17 @@ def machine_info(threads: int) -> dict:
             )
     except OSError:
         pass
-    isa = _runtime.active_isa()
+    isa = _runtime.active_isa("float32")
+    variants = _runtime.kernel_variants()
     return {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "kernel_isa": isa,
+        # which variant runs each dtype and shape class, and why (measured / forced)
+        "kernel_variants": {
+            dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
+        },
         "fma_peak_gflops": round(_C.fma_peak_gflops(isa, threads, 0.5), 1),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -279,11 +284,23 @@ def _time_cell(results: dict, name: str) -> str:
     return f"{x['median_ms']:.1f} [{x['min_ms']:.1f}-{x['max_ms']:.1f}]"
 
 
+def _variants_text(machine: dict) -> str:
+    """e.g. "float32 `avx512`, bfloat16 `amx_bf16` (measured 2026-11-22 on 2 threads)"."""
+    variants = machine.get("kernel_variants")
+    if not variants:  # reports written before variants were chosen per dtype
+        return f"`{machine['kernel_isa']}`"
+    parts = []
+    for dtype, v in variants.items():
+        names = sorted(set(v["choice"].values()))
+        parts.append(f"{dtype} `{'/'.join(names)}` ({v['source']})")
+    return ", ".join(parts)
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['threads']} threads for "
-        f"every competitor; npu_attn kernel `{m['kernel_isa']}`; measured fp32 FMA peak "
+        f"every competitor; npu_attn kernel variants {_variants_text(m)}; measured fp32 FMA peak "
         f"{m['fma_peak_gflops']} GFLOP/s; torch {m['torch']} (CPU capability "
         f"{m['torch_cpu_capability']}); {m['date']}.",
         "",

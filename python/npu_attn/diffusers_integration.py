@@ -64,6 +64,9 @@ def default_strategy() -> str:
 class _RoutesSdpa:
     """Shared behaviour: run ``self.inner`` with its SDPA call routed to ``self.strategy``."""
 
+    # The wrapped processor class, on the subclasses _wrapper_class makes (None on the bases).
+    _wraps: Optional[type] = None
+
     def _bind(self, inner: Any, strategy: str) -> None:
         self.inner = inner
         self.strategy = strategy
@@ -75,6 +78,26 @@ class _RoutesSdpa:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
+
+    # Pickling (torch.save of a switched model). The classes _wrapper_class makes at run time
+    # cannot be found by name, so they pickle as "the wrapper class of <inner class>" and are
+    # remade on load. The runner is not pickled (it can be a closure or this process's auto
+    # selector): it is looked up again from the strategy name.
+    def __reduce__(self):
+        if isinstance(self, torch.nn.Module):
+            state = torch.nn.Module.__getstate__(self)
+        else:
+            state = self.__dict__
+        state = {k: v for k, v in state.items() if k != "_sdpa"}
+        cls = type(self)
+        return (_unpickle_processor, (cls._wraps or cls, cls._wraps is not None), state)
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(self, torch.nn.Module):
+            torch.nn.Module.__setstate__(self, state)
+        else:
+            self.__dict__.update(state)
+        self._sdpa = strategies.RUNNERS[self.strategy]
 
 
 class StrategyProcessor(_RoutesSdpa):
@@ -112,7 +135,17 @@ def _wrapper_class(inner_cls: type) -> type:
 
     __call__.__signature__ = inspect.signature(inner_cls.__call__)
     __call__.__doc__ = f"{inner_cls.__name__}.__call__ with SDPA routed to the strategy."
-    return type(f"Npu{inner_cls.__name__}", (base,), {"__call__": __call__})
+    return type(f"Npu{inner_cls.__name__}", (base,), {"__call__": __call__, "_wraps": inner_cls})
+
+
+def _unpickle_processor(cls: type, wrapper_of_cls: bool):
+    """An empty processor for pickle to fill: of ``_wrapper_class(cls)`` when
+    ``wrapper_of_cls``, else of ``cls``. A loaded model routes SDPA like the saved one did, so
+    the redirect shim is installed (a fresh process has not installed it yet)."""
+    _redirect.install()
+    if wrapper_of_cls:
+        cls = _wrapper_class(cls)
+    return cls.__new__(cls)
 
 
 def _wrap(processor: Any, strategy: str):

@@ -3,8 +3,10 @@
 Reports versions (Python, torch, torch_npu, diffusers, npu_attn and its build), the devices
 found and the dtypes that really work on each, the kernel ISA variants, every attention
 strategy with its availability (or why not), and a numerical self-test of each available
-strategy and kernel variant against a float64 reference. Exit code 0 when everything available
-passes, 1 otherwise. ``--json`` prints a machine-readable report instead.
+strategy and kernel variant against a float64 reference, and which kernel variant runs each
+dtype and why (measured on this machine, cached, or forced). Exit code 0 when everything
+available passes, 1 otherwise. ``--json`` prints a machine-readable report instead; ``--tune``
+measures the kernel variants again (and updates the cache) before reporting.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ def self_test(fn, dtype=None) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def collect() -> dict[str, Any]:
+def collect(tune: bool = False) -> dict[str, Any]:
     import torch
 
-    from . import _C, _runtime, strategies
+    from . import _C, _runtime, _variant_choice, strategies
     from .device import DETECTION_ORDER, DeviceManager, TorchProbe
 
     report: dict[str, Any] = {
@@ -108,7 +110,6 @@ def collect() -> dict[str, Any]:
     report["devices"] = devices
 
     kernels, kernels_bf16 = {}, {}
-    original = _runtime.active_isa()
     try:
         for isa in _runtime.available_isas():
             _runtime.set_isa(isa)
@@ -117,9 +118,15 @@ def collect() -> dict[str, Any]:
             # OS's permission): worth checking on the machine that will run them.
             kernels_bf16[isa] = self_test(strategies.tiled_attention, torch.bfloat16)
     finally:
-        _runtime.set_isa(original)
+        _runtime.set_isa(None)  # back to the measured choice
     report["kernel_variants"] = kernels
     report["kernel_variants_bf16"] = kernels_bf16
+    report["variant_table"] = _C.variants()
+    if tune:
+        for dtype in _variant_choice.DTYPES:
+            _variant_choice.tune(dtype, force=True)
+    report["variant_choice"] = _runtime.kernel_variants()
+    report["variant_cache"] = str(_variant_choice.cache_path())
 
     strategy_report = {}
     npu_present = any(d["device"].startswith("npu") for d in devices)
@@ -149,6 +156,24 @@ def _detail(t: dict[str, Any]) -> str:
     return t["error"]
 
 
+def _variant_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for dtype, v in report["variant_choice"].items():
+        names = set(v["choice"].values())
+        if len(names) == 1:
+            chosen = next(iter(names))
+        else:
+            chosen = ", ".join(f"{cls}: {name}" for cls, name in v["choice"].items())
+        lines.append(f"  {dtype:9} {chosen}  [{v['source']}]")
+        for shape_class, per in v.get("ms", {}).items():
+            timings = ", ".join(
+                f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
+            )
+            lines.append(f"  {'':9}   {shape_class}: {timings}")
+    lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
+    return lines
+
+
 def render(report: dict[str, Any]) -> str:
     def mark(ok):
         return "ok" if ok else "FAILED"
@@ -164,7 +189,7 @@ def render(report: dict[str, Any]) -> str:
         f"{b.get('build_type', '?')}; variants compiled: {', '.join(b['compiled_isas'])}",
         f"CPU: {cpu['model']} ({cpu['vendor']}), {cpu['logical_cores']} logical cores, "
         f"L2 {cpu['l2_bytes'] // 1024} KiB, features: {' '.join(cpu['features'])}",
-        f"Kernel variant: {cpu['active_isa']} (runnable: {', '.join(cpu['runnable_isas'])}); "
+        f"Kernel variants runnable here: {', '.join(cpu['runnable_isas'])}; "
         f"threads: {report['threads']}",
         "",
         "Devices:",
@@ -174,6 +199,8 @@ def render(report: dict[str, Any]) -> str:
             f"  {d['device']}: best dtype {d['best_dtype']}; working dtypes: "
             f"{', '.join(d['working_dtypes'])}"
         )
+    lines += ["", "Kernel variant per dtype (and why):"]
+    lines += _variant_lines(report)
     lines += ["", "Kernel variants (self-test vs float64 reference):"]
     for isa, t in report["kernel_variants"].items():
         t16 = report["kernel_variants_bf16"][isa]
@@ -199,8 +226,13 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m npu_attn doctor", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print a JSON report")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="measure which kernel variant is fastest for each dtype again and cache it",
+    )
     args = parser.parse_args(argv)
-    report = collect()
+    report = collect(tune=args.tune)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0 if report["ok"] else 1
 

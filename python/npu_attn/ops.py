@@ -1,7 +1,9 @@
-"""npu_attn's kernel as a real torch op: ``torch.ops.npu_attn.sdpa_forward``.
+"""npu_attn's kernels as real torch ops: ``torch.ops.npu_attn.sdpa_forward`` and
+``torch.ops.npu_attn.sdpa_backward``.
 
-Registered with ``torch.library.custom_op`` + ``register_fake`` so that ``torch.compile``
-(fullgraph) treats it as one opaque node, and with ``register_autograd`` so gradients flow.
+Both are registered with ``torch.library.custom_op`` + ``register_fake`` so that
+``torch.compile`` (fullgraph, forward and backward) treats each as one opaque node; the forward's
+``register_autograd`` formula calls the backward op, so gradients flow in eager and compiled code.
 
 Backward (FlashAttention-2's algorithm, never materialising Lq x Lk): the forward saves the
 per-row log-sum-exp, and ``backward_cpu`` runs the C++ tiled backward kernel
@@ -13,6 +15,13 @@ causal flag, scale and GQA grouping.
 where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
 kernel does not produce d(mask)), and float64 (for gradcheck). Tests check both against torch's
 math backend in float64.
+
+Higher-order gradients (``create_graph=True``, e.g. gradient penalties): the kernel's gradients
+carry no graph, so when grad mode is on during backward and anything there requires grad, the
+backward runs ``attention_backward`` instead. It is written with differentiable torch ops over
+the saved inputs, output and log-sum-exp (whose own gradients lead back into this op), so
+autograd differentiates the backward itself. That path keeps each query block's probabilities
+for the graph: memory is O(Lq x Lk) per call, as with torch's math backend.
 """
 
 from __future__ import annotations
@@ -24,9 +33,10 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from . import _C, _runtime
+from . import _C, _runtime, _variant_choice
 
 _BLOCK_BYTES = 64 << 20
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _kernel_mask(attn_mask):
@@ -35,6 +45,14 @@ def _kernel_mask(attn_mask):
     if attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32):
         return attn_mask
     return attn_mask.float()
+
+
+def _choose_variant(dtype: torch.dtype) -> None:
+    """The kernel variant for ``dtype`` is measured once per machine, before its first call
+    (other dtypes are left to the C++ validation, which names what it expects)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        _variant_choice.ensure(name)
 
 
 def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -47,6 +65,7 @@ def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
     # Python per tensor). Inputs are detached: DLPack refuses tensors that require grad, and
     # the kernel only reads them.
+    _choose_variant(query.dtype)
     _C.forward(
         to_dlpack(query.detach()),
         to_dlpack(key.detach()),
@@ -95,6 +114,7 @@ def backward_cpu(
     grad_v = torch.empty_like(value, memory_format=torch.contiguous_format)
     if grad_out.dtype != query.dtype:
         grad_out = grad_out.to(query.dtype)
+    _choose_variant(query.dtype)
     _C.backward(
         to_dlpack(query.detach()),
         to_dlpack(key.detach()),
@@ -113,6 +133,33 @@ def backward_cpu(
         num_threads=_runtime.get_num_threads(),
     )
     return grad_q, grad_k, grad_v
+
+
+@torch.library.custom_op("npu_attn::sdpa_backward", mutates_args=(), device_types="cpu")
+def sdpa_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV (contiguous, in the inputs' dtypes) from the C++ tiled backward kernel."""
+    return backward_cpu(
+        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse
+    )
+
+
+@sdpa_backward.register_fake
+def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, enable_gqa):
+    return tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)
+    )
 
 
 def _mask_rows(attn_mask, i0, i1):
@@ -170,8 +217,10 @@ def attention_backward(
             rows = torch.arange(i0, i1).view(-1, 1)
             scores = scores.masked_fill(torch.arange(lk).view(1, -1) > rows, float("-inf"))
         row_lse = lse[:, :, i0:i1, None]
-        probs = torch.exp(scores - row_lse)
-        probs = torch.where(torch.isneginf(row_lse), torch.zeros_like(probs), probs)
+        # Fully masked rows (lse = -inf) have P = 0. Subtracting 0 there instead of -inf keeps
+        # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.
+        empty = torch.isneginf(row_lse)
+        probs = torch.exp(scores - row_lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
         dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
         dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
         shift = delta[:, :, i0:i1, None]
@@ -205,9 +254,16 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out = torch.zeros_like(out)
     args = (grad_out, query, key, value, attn_mask, out, lse)
     flags = (ctx.is_causal, ctx.scale, ctx.enable_gqa)
-    if not ctx.mask_grad and query.dtype != torch.float64:
-        return (*backward_cpu(*args, *flags, grad_lse), None, None, None, None)
-    # The C++ kernel produces no d(mask) and no float64: the torch-ops routine does both.
+    # create_graph=True: the gradient itself must be differentiable, which the kernel's output
+    # is not. attention_backward is made of torch ops, so autograd records it (see the module
+    # docstring); without this, a gradient penalty would be silently dropped.
+    higher_order = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*args, grad_lse)
+    )
+    if not ctx.mask_grad and query.dtype != torch.float64 and not higher_order:
+        grads = torch.ops.npu_attn.sdpa_backward(*args, grad_lse, *flags)
+        return (*grads, None, None, None, None)
+    # The C++ kernel produces no d(mask), no float64 and no graph: the torch-ops routine does.
     return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
 
 

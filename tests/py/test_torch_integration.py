@@ -283,10 +283,9 @@ def test_op_is_registered_with_a_fake_for_tracing():
 def each_isa(request):
     """Runs a test once per kernel variant this machine can run (bfloat16 has its own kernels
     on avx512_bf16 and amx_bf16), restoring the active variant afterwards."""
-    previous = npu_attn.active_isa()
     npu_attn.set_isa(request.param)
     yield request.param
-    npu_attn.set_isa(previous)
+    npu_attn.set_isa(None)  # back to the measured choice
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

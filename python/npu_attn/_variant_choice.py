@@ -1,0 +1,291 @@
+"""Which kernel variant runs each dtype on this machine: measured, not assumed.
+
+The C++ core compiles several variants of the kernels (see ``npu_attn.available_isas()``).
+Which one is fastest depends on the CPU, not only on what it supports: on a Sapphire Rapids
+Xeon bfloat16 runs fastest on AMX tiles and ``vdpbf16ps`` loses to widening to float32, while
+on an AMD Zen 4 (no AMX) ``vdpbf16ps`` is about twice as fast as widening. So on first use of a
+dtype on a machine, npu_attn times the variants that run different code for that dtype on a
+few representative shapes (one per shape class: self-attention, cross-attention with few keys,
+a large head dim), keeps the fastest per dtype (and per shape class where another variant is
+clearly faster there), caches the result under the CPU's fingerprint in
+``$NPU_ATTN_CACHE_DIR/kernel_variants.json`` (default ``~/.cache/npu_attn``, next to ``auto``'s
+cache) and logs the choice once.
+
+Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.set_isa(name)`` force one variant;
+``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
+variant). ``python -m npu_attn doctor --tune`` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+
+logger = logging.getLogger("npu_attn")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# One representative shape per C++ shape class: (batch, heads, len_q, len_k, head_dim). Small
+# enough that measuring every variant of one dtype takes well under a second.
+REPRESENTATIVE_SHAPES = {
+    "self-attention": (1, 4, 512, 512, 64),
+    "cross-attention": (2, 4, 512, 77, 64),
+    "large head dim": (1, 1, 256, 512, 512),
+}
+REPEATS = 7
+# A variant is kept for one shape class only when it beats the dtype's overall choice there by
+# more than this: a smaller difference is within the noise of a shared machine.
+CLASS_MARGIN = 0.10
+# A candidate whose first run is this much slower than the fastest first run so far is dropped
+# after that run (e.g. the portable variant next to AVX-512): it cannot win, and timing it more
+# would make first use slow.
+HOPELESS_RATIO = 4.0
+
+_lock = threading.Lock()
+_decided: dict[str, dict] = {}  # dtype -> {"choice": {class: variant}, "reason": str, ...}
+_pinned: Optional[str] = None  # set_isa(name): every dtype, no measuring
+
+
+# --------------------------------------------------------------------------- cache
+def cache_path() -> Path:
+    root = os.environ.get("NPU_ATTN_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "npu_attn"
+    )
+    return Path(root) / "kernel_variants.json"
+
+
+def fingerprint() -> str:
+    """This CPU (model and the features dispatch uses), the variants that run on it and the
+    npu_attn build: a cached choice is reused only where all of them are the same."""
+    cpu = _C.cpu_info()
+    build = _C.build_info()
+    from . import __version__
+
+    parts = [
+        cpu["vendor"],
+        cpu["model"],
+        " ".join(cpu["features"]),
+        " ".join(cpu["runnable_isas"]),
+        build["compiler"],
+        __version__,
+    ]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_cache(dtype: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_cache()
+        data.setdefault(fingerprint(), {})[dtype] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home must not break inference
+        logger.debug("npu_attn: cannot write %s: %s", path, e)
+
+
+# --------------------------------------------------------------------------- measuring
+def candidates(dtype: str) -> list[str]:
+    """Runnable variants that run different code for ``dtype``: one per distinct forward
+    kernel (the first, least specialised, variant of each), most specialised first."""
+    seen: dict[str, str] = {}
+    for row in _C.variants():
+        if row["runnable"]:
+            seen.setdefault(row["forward_kernel"][dtype], row["name"])
+    return list(reversed(list(seen.values())))
+
+
+def _inputs(dtype: str, shape: tuple, seed: int = 0):
+    """q, k, v and the output for one shape, as NumPy arrays (float32/float16) or torch
+    tensors (bfloat16, which NumPy lacks)."""
+    b, h, lq, lk, d = shape
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((b, h, n, d), dtype=np.float32) for n in (lq, lk, lk)]
+    if dtype == "bfloat16":
+        import torch
+        from torch.utils.dlpack import to_dlpack
+
+        tensors = [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
+        out = torch.empty((b, h, lq, d), dtype=torch.bfloat16)
+        return [to_dlpack(t) for t in tensors], to_dlpack(out), (tensors, out)
+    np_dtype = np.float32 if dtype == "float32" else np.float16
+    arrays = [a.astype(np_dtype) for a in arrays]
+    out = np.empty((b, h, lq, d), dtype=np_dtype)
+    return arrays, out, None
+
+
+def measure(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
+    """CPU milliseconds of each candidate variant per shape class: one thread, best of
+    ``repeats``, interleaved so every candidate sees the same machine state.
+
+    Why one thread and CPU time (``time.thread_time``), not wall time on every thread: on a
+    shared 2-core machine one descheduled OpenMP thread stalls a whole parallel call for a
+    scheduler time slice (~10 ms), which swamps millisecond calls and made wall-clock choices
+    random under load. The calling thread's CPU time is immune to that, and the variants split
+    work across threads the same way, so their per-core cost ranks them. Hopeless candidates
+    keep only their first time."""
+    result: dict[str, dict[str, float]] = {}
+    for shape_class, shape in REPRESENTATIVE_SHAPES.items():
+        names = candidates(dtype)
+        (q, k, v), out, keep = _inputs(dtype, shape)
+        times: dict[str, list[float]] = {n: [] for n in names}
+
+        def run(name, q=q, k=k, v=v, out=out):
+            start = time.thread_time()
+            _C.forward(q, k, v, out, num_threads=1, isa=name)
+            return time.thread_time() - start
+
+        for name in names:  # warm-up, and the cut for hopeless candidates
+            run(name)
+            times[name].append(run(name))
+        best_first = min(t[0] for t in times.values())
+        alive = [n for n in names if times[n][0] <= HOPELESS_RATIO * best_first]
+        for _ in range(repeats - 1):
+            for name in alive:
+                times[name].append(run(name))
+        result[shape_class] = {n: min(t) * 1e3 for n, t in times.items()}
+        del keep
+    return result
+
+
+def decide(ms: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The variant per shape class from measured times: the dtype's overall choice is the
+    variant with the lowest geometric-mean time over the classes; a class keeps its own
+    fastest variant only when that beats the overall choice there by more than CLASS_MARGIN."""
+    common = set.intersection(*(set(per.keys()) for per in ms.values()))
+    overall = min(
+        sorted(common),
+        key=lambda n: sum(math.log(per[n]) for per in ms.values()),
+    )
+    choice = {}
+    for shape_class, per in ms.items():
+        fastest = min(per, key=per.get)
+        better = per[fastest] < (1 - CLASS_MARGIN) * per[overall]
+        choice[shape_class] = fastest if better else overall
+    return choice
+
+
+def _describe(dtype: str, choice: dict[str, str], ms: dict[str, dict[str, float]]) -> str:
+    parts = []
+    for shape_class, per in ms.items():
+        timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1]))
+        parts.append(f"{shape_class}: {choice[shape_class]} ({timings})")
+    return f"{dtype}: " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- the choice
+def _apply(dtype: str, choice: dict[str, str]) -> None:
+    for shape_class, name in choice.items():
+        _C.set_isa(name, dtype, shape_class)
+
+
+def _environment_pin() -> Optional[str]:
+    return os.environ.get("NPU_ATTN_ISA") or None
+
+
+def _rule_choice(dtype: str) -> dict[str, str]:
+    return {c: _C.default_isa(dtype) for c in _C.shape_classes()}
+
+
+def tune(dtype: str, force: bool = False) -> dict[str, Any]:
+    """Choose the variant for ``dtype`` (measuring unless cached, pinned or disabled), apply it
+    to the C++ dispatcher and return the decision: ``choice`` (shape class -> variant),
+    ``source`` and, when measured, ``ms`` (CPU milliseconds per shape class and candidate).
+    ``force`` measures even if a cached choice exists."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with _lock:
+        if not force and dtype in _decided:
+            return _decided[dtype]
+        pin = _pinned or _environment_pin()
+        if pin is not None:
+            source = "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"
+            entry = {"choice": dict.fromkeys(_C.shape_classes(), pin), "source": source}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"choice": _rule_choice(dtype), "source": "rule (NPU_ATTN_TUNE=0)"}
+        else:
+            entry = None if force else _load_cache().get(fingerprint(), {}).get(dtype)
+            if entry is not None and set(entry.get("choice", {}).values()) <= set(
+                _C.runnable_isas()
+            ):
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                entry = _measure_and_store(dtype)
+        _apply(dtype, entry["choice"])
+        _decided[dtype] = entry
+        return entry
+
+
+def _measure_and_store(dtype: str) -> dict[str, Any]:
+    if len(candidates(dtype)) == 1:
+        only = candidates(dtype)[0]
+        return {"choice": dict.fromkeys(_C.shape_classes(), only), "source": "only variant"}
+    ms = measure(dtype)
+    choice = decide(ms)
+    stamp = time.strftime("%Y-%m-%d")
+    entry = {"choice": choice, "ms": ms, "measured": stamp}
+    _store_cache(dtype, entry)
+    logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, choice, ms))
+    return dict(entry, source=f"measured {stamp}")
+
+
+def ensure(dtype: str) -> None:
+    """Make sure ``dtype``'s variant is chosen before a kernel call (cheap after the first)."""
+    if dtype not in _decided:
+        tune(dtype)
+
+
+def pin(name: Optional[str]) -> None:
+    """``set_isa``: force one variant for every dtype (``None``: back to the measured choice)."""
+    global _pinned
+    with _lock:
+        _pinned = name
+        _decided.clear()
+    if name is None:
+        for dtype in DTYPES:  # the rule until the next use measures or loads the choice
+            _apply(dtype, _rule_choice(dtype))
+    else:
+        _C.set_isa(name)
+
+
+def forget() -> None:
+    """Drop the in-process decisions (tests; the disk cache stays)."""
+    with _lock:
+        _decided.clear()
+
+
+def report() -> dict[str, dict[str, Any]]:
+    """Per dtype: the variant per shape class, where the choice came from and the timings."""
+    return {dtype: tune(dtype) for dtype in DTYPES if _dtype_usable(dtype)}
+
+
+def _dtype_usable(dtype: str) -> bool:
+    return dtype != "bfloat16" or "torch" in sys.modules or _torch_importable()
+
+
+def _torch_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None

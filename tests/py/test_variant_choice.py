@@ -1,0 +1,200 @@
+"""Which kernel variant runs each dtype: measured on this machine, cached per CPU, overridable,
+and correct on CPUs with and without AMX / AVX512-BF16 / AVX-512 (emulated by masking the
+detector with NPU_ATTN_DISABLE_FEATURES in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import npu_attn
+from conftest import max_err, reference_sdpa
+from npu_attn import _C, _variant_choice
+
+COMPILED = npu_attn.build_info()["compiled_isas"]
+X86 = "avx512" in COMPILED
+# CPUs this project has met, as feature masks over a machine that has at least their features.
+EMULATED_CPUS = {
+    "zen4 (avx512_bf16, no amx)": "amx_tile,amx_bf16",
+    "skylake (avx512, no bf16)": "avx512_bf16,amx_tile,amx_bf16",
+    "haswell (avx2 only)": "avx512f",
+    "no simd": "avx2",
+}
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    """An empty variant cache and no in-process decision; restored afterwards."""
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NPU_ATTN_ISA", raising=False)
+    monkeypatch.delenv("NPU_ATTN_TUNE", raising=False)
+    _variant_choice.forget()
+    yield tmp_path
+    npu_attn.set_isa(None)
+    _variant_choice.forget()
+
+
+def test_decide_keeps_the_fastest_and_splits_classes_only_beyond_the_margin():
+    ms = {
+        "self-attention": {"a": 1.0, "b": 2.0},
+        "cross-attention": {"a": 1.0, "b": 0.95},  # within the margin: stays with a
+        "large head dim": {"a": 1.5, "b": 1.0},  # clearly faster: b for this class
+    }
+    assert _variant_choice.decide(ms) == {
+        "self-attention": "a",
+        "cross-attention": "a",
+        "large head dim": "b",
+    }
+    assert set(_variant_choice.decide({"x": {"a": 2.0, "b": 1.0}}).values()) == {"b"}
+
+
+def test_candidates_are_one_per_distinct_kernel_and_runnable():
+    runnable = set(npu_attn.available_isas())
+    for dtype in _variant_choice.DTYPES:
+        names = _variant_choice.candidates(dtype)
+        assert names and set(names) <= runnable
+        kernels = [
+            next(r for r in _C.variants() if r["name"] == n)["forward_kernel"][dtype] for n in names
+        ]
+        assert len(kernels) == len(set(kernels)), "two candidates run the same code"
+    if "amx_bf16" in runnable:
+        assert "amx_bf16" in _variant_choice.candidates("bfloat16")
+        assert "amx_bf16" not in _variant_choice.candidates("float32")  # its fp32 is avx512's
+
+
+def test_first_use_measures_caches_and_applies_the_fastest(fresh_choice):
+    for dtype in _variant_choice.DTYPES:
+        entry = _variant_choice.tune(dtype)
+        assert set(entry["choice"]) == set(_C.shape_classes())
+        for shape_class, variant in entry["choice"].items():
+            assert _C.active_isa(dtype, shape_class) == variant  # what C++ will run
+        if len(_variant_choice.candidates(dtype)) > 1:
+            assert entry["source"].startswith("measured")
+            for shape_class, per in entry["ms"].items():
+                chosen = per[entry["choice"][shape_class]]
+                # kept because it measured fastest (or within the class margin of it)
+                assert chosen * (1 - _variant_choice.CLASS_MARGIN) <= min(per.values())
+    cache = json.loads((fresh_choice / "kernel_variants.json").read_text())
+    assert set(cache[_variant_choice.fingerprint()]) == set(_variant_choice.DTYPES)
+    _variant_choice.forget()
+    again = _variant_choice.tune("float32")
+    if len(_variant_choice.candidates("float32")) > 1:
+        assert again["source"].endswith("cached")
+
+
+def test_the_kernel_call_uses_the_chosen_variant(fresh_choice):
+    # The first kernel call of a dtype chooses that dtype's variant before it runs.
+    q, k, v = torch.randn(1, 2, 70, 40), torch.randn(1, 2, 90, 40), torch.randn(1, 2, 90, 40)
+    out = npu_attn.scaled_dot_product_attention(q, k, v)
+    assert "float32" in _variant_choice._decided, "a kernel call did not choose a variant"
+    assert max_err(out, reference_sdpa(q, k, v)) <= 1e-5
+
+
+def test_set_isa_pins_every_dtype_and_none_returns_to_the_measurement(fresh_choice):
+    npu_attn.set_isa("scalar")
+    for dtype in _variant_choice.DTYPES:
+        assert npu_attn.active_isa(dtype) == "scalar"
+        assert npu_attn.kernel_variants()[dtype]["source"] == "set_isa()"
+    npu_attn.set_isa(None)
+    measured = _variant_choice.tune("float32")
+    assert npu_attn.active_isa("float32") == measured["choice"]["self-attention"]
+    with pytest.raises(ValueError, match="isa must be one of"):
+        npu_attn.set_isa("sse9")
+
+
+def test_environment_variable_forces_one_variant(tmp_path):
+    result = _run(
+        """
+        import npu_attn
+        v = npu_attn.kernel_variants()
+        print(sorted({n for d in v.values() for n in d["choice"].values()}), v["float32"]["source"])
+        """,
+        NPU_ATTN_ISA="scalar",
+        NPU_ATTN_CACHE_DIR=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['scalar'] NPU_ATTN_ISA=scalar"
+    assert not (tmp_path / "kernel_variants.json").exists(), "a forced variant measured anyway"
+
+
+def test_tuning_can_be_disabled(tmp_path):
+    result = _run(
+        "import npu_attn; print(npu_attn.kernel_variants()['bfloat16']['source'])",
+        NPU_ATTN_TUNE="0",
+        NPU_ATTN_CACHE_DIR=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "rule (NPU_ATTN_TUNE=0)"
+
+
+@pytest.mark.skipif(not X86, reason="feature masks emulate x86-64 CPUs")
+@pytest.mark.parametrize("cpu", sorted(EMULATED_CPUS))
+def test_emulated_cpus_choose_only_what_they_can_run_and_stay_correct(cpu, tmp_path):
+    """On a CPU without AMX / AVX512-BF16 / AVX-512 the variant list, the measured choice and
+    the results (fp32 and bf16 vs float64) are right."""
+    result = _run(
+        """
+        import json, torch, npu_attn
+        from conftest import reference_sdpa
+        q, k, v = (torch.randn(2, 3, n, 72) for n in (65, 77, 77))
+        errs = {}
+        for dt in (torch.float32, torch.bfloat16):
+            out = npu_attn.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt))
+            errs[str(dt)] = float((out.double() - reference_sdpa(q, k, v)).abs().max())
+        print(json.dumps({"runnable": npu_attn.available_isas(),
+                          "variants": npu_attn.kernel_variants(), "errs": errs}))
+        """,
+        NPU_ATTN_DISABLE_FEATURES=EMULATED_CPUS[cpu],
+        NPU_ATTN_CACHE_DIR=str(tmp_path),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), *sys.path]),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    masked = set(EMULATED_CPUS[cpu].split(","))
+    if masked & {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2"}:
+        assert "amx_bf16" not in report["runnable"]
+    if masked & {"avx512_bf16", "avx512f", "avx2"}:
+        assert "avx512_bf16" not in report["runnable"]
+    if masked & {"avx512f", "avx2"}:
+        assert "avx512" not in report["runnable"]
+    if "avx2" in masked:
+        assert report["runnable"] == ["scalar"]
+    for entry in report["variants"].values():
+        assert set(entry["choice"].values()) <= set(report["runnable"])
+    assert report["errs"]["torch.float32"] <= 1e-5
+    assert report["errs"]["torch.bfloat16"] <= 3e-2
+
+
+def test_unknown_feature_mask_is_a_clear_error():
+    bad = _run("import npu_attn", NPU_ATTN_DISABLE_FEATURES="avx9000")
+    assert bad.returncode != 0
+    assert "NPU_ATTN_DISABLE_FEATURES: unknown CPU feature 'avx9000'" in bad.stderr
+
+
+def test_rejected_thread_count_keeps_the_previous_setting():
+    """Regression: set_num_threads(2**31) raised TypeError but stored the value, and every
+    later call failed until set_num_threads(None)."""
+    npu_attn.set_num_threads(None)
+    before = npu_attn.get_num_threads()
+    for bad, error in ((2**31, ValueError), (0, ValueError), (-3, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="threads"):
+            npu_attn.set_num_threads(bad)
+        assert npu_attn.get_num_threads() == before
+    q = torch.randn(1, 2, 16, 8)
+    assert max_err(npu_attn.scaled_dot_product_attention(q, q, q), reference_sdpa(q, q, q)) < 1e-5
