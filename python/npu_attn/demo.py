@@ -3,21 +3,46 @@
 By default it builds the full Stable Diffusion 1.5 architecture (UNet, VAE) from its
 configuration with RANDOM WEIGHTS (nothing is downloaded, so the image is noise; the point is
 the attention work, which is the same as with trained weights), picks the device and dtype with
-:class:`~npu_attn.DeviceManager`, switches the pipeline to ``set_attention_strategy(pipe,
-"auto")`` and denoises with a progress bar. It then repeats the same denoising under each
-available strategy and prints seconds per step, peak memory and the largest difference of the
-final latents from the ``sdpa`` run, and writes the image and a PNG chart to the output folder.
+:class:`~npu_attn.DeviceManager` and switches the pipeline to ``set_attention_strategy(pipe,
+"auto")``. ``auto`` denoises twice: the first run measures every attention shape it has not
+seen before (its one-time cost is printed under the table), the second is its steady state.
+The same denoising then runs under each available strategy, and each run's final latents are
+decoded once by the VAE (without autograd, as the pipeline itself decodes).
+
+The table, one row per strategy:
+
+- s / step: seconds per denoising step (for ``auto`` the steady state, without measuring);
+- attention share: time inside the attention calls over the denoising loop ("-" when
+  diffusers' own ``AttnProcessor`` ran, which is not timed);
+- peak extra memory: growth of the process's peak resident memory during the loop;
+- latents rel. error vs sdpa: ||latents - sdpa's latents|| / ||sdpa's latents||;
+- image PSNR vs sdpa: of the decoded image (pixels in [0, 1]) against the ``sdpa`` run's
+  image, in dB; higher is closer, "identical" when equal.
+
+In a 16-bit dtype a last row, ``sdpa, float32``, repeats the ``sdpa`` run in float32 with the
+same weights and inputs. Its distance from the 16-bit ``sdpa`` run is what the dtype's own
+rounding does to the result (random weights amplify it step after step): a strategy whose
+deviation is of that size differs from ``sdpa`` only by rounding. The image, a PNG chart of the
+table and ``results.json`` (the same columns) are written to the output folder.
 
 ``--weights DIR`` uses a real local diffusers model folder instead (with ``--prompt``).
+While the demo runs, diffusers' and transformers' configuration and deprecation warnings are
+silenced (set DIFFUSERS_VERBOSITY or TRANSFORMERS_VERBOSITY to see them); npu_attn's own log
+lines and errors are shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import logging
+import math
+import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -53,13 +78,41 @@ MODELS = {
 }
 
 
+# Libraries whose configuration chatter the demo silences (see quiet_third_party_warnings).
+THIRD_PARTY_LIBRARIES = ("diffusers", "transformers")
+FLOAT32_REFERENCE_LABEL = "sdpa, float32"
+
+
 @dataclass
 class RunResult:
+    """One denoising run under one attention strategy (and, once decoded, its image)."""
+
     strategy: str
-    seconds_per_step: float
+    label: str  # the table's row name
+    dtype: str
+    seconds: float  # the whole denoising loop
+    steps: int
     peak_memory_bytes: int
-    latents: Any
+    latents: Any  # float32, on CPU
     attention_share: Optional[float] = None
+    image: Any = None  # decoded, float32 in [0, 1], on CPU
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / self.steps
+
+
+@dataclass
+class AutoCost:
+    """``auto``'s one-time cost: its first run (which measures) against its steady state."""
+
+    first_run: RunResult
+    shapes_measured: int
+    cache_path: Path
+
+    def measuring_seconds(self, steady: RunResult) -> float:
+        # Warm-up of the very first run in the process is included: it is one-time as well.
+        return max(0.0, self.first_run.seconds - steady.seconds)
 
 
 def build_pipeline(model: str = "sd15"):
@@ -93,6 +146,7 @@ def build_pipeline(model: str = "sd15"):
         beta_schedule="scaled_linear",
         clip_sample=False,
         set_alpha_to_one=False,
+        steps_offset=1,  # as SD-1.5's and 2.1's own scheduler configs (0 draws a FutureWarning)
         prediction_type="v_prediction" if model == "sd21" else "epsilon",
     )
     pipe = StableDiffusionPipeline(
@@ -162,13 +216,16 @@ def _time_runner(strategy: str):
     return spent, lambda: strategies.RUNNERS.__setitem__(strategy, original)
 
 
-def denoise(pipe, strategy: str, args, embeds, dm, show_progress: bool) -> RunResult:
+def denoise(pipe, strategy: str, args, embeds, dm, label: Optional[str] = None) -> RunResult:
+    """The denoising loop (no VAE decode) under `strategy`: time, attention share, peak memory
+    and final latents. The pipeline keeps `strategy` afterwards."""
     import torch
 
     from ._memory import measure_peak
     from .diffusers_integration import set_attention_strategy
 
-    pipe.set_progress_bar_config(disable=not show_progress, desc=f"{strategy:>7} denoising")
+    label = label or strategy
+    pipe.set_progress_bar_config(desc=f"{label:>7} denoising")
     # Processors look their runner up when created, so the timer goes in before switching.
     spent, restore = _time_runner(strategy)
     set_attention_strategy(pipe, strategy)
@@ -192,30 +249,283 @@ def denoise(pipe, strategy: str, args, embeds, dm, show_progress: bool) -> RunRe
     # None when attention did not go through the runner (vanilla on classic Attention modules
     # is diffusers' own AttnProcessor), so the share is unknown rather than zero.
     share = spent[0] / elapsed if elapsed > 0 and spent[1] else None
+    dtype = str(latents.dtype).replace("torch.", "")
     return RunResult(
-        strategy, elapsed / args.steps, memory.extra_bytes, latents.float().cpu(), share
+        strategy,
+        label,
+        dtype,
+        elapsed,
+        args.steps,
+        memory.extra_bytes,
+        latents.float().cpu(),
+        share,
     )
 
 
-def write_chart(results: list[RunResult], path: Path, title: str) -> None:
+def decode(pipe, latents):
+    """The VAE's image of `latents`: float32 in [0, 1], on CPU. Under no_grad, as the pipeline
+    decodes: with autograd on, ``auto`` would time (and choose for) forward + backward, and
+    every strategy would keep activations for a backward that never comes."""
+    import torch
+
+    vae = pipe.vae
+    with torch.no_grad():
+        scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
+        image = vae.decode(scaled).sample
+        return pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+
+
+def run_strategy(pipe, strategy: str, args, embeds, dm, label: Optional[str] = None) -> RunResult:
+    """Denoise under `strategy`, then decode the latents with the same strategy in the VAE."""
+    result = denoise(pipe, strategy, args, embeds, dm, label)
+    result.image = decode(pipe, result.latents)
+    return result
+
+
+def run_auto(pipe, args, embeds, dm) -> tuple[RunResult, AutoCost]:
+    """``auto`` twice: the first run measures each attention shape not cached yet, the second
+    (decoded) is the steady state a user gets from then on. Returns (steady, one-time cost)."""
+    from . import strategies
+
+    selector = strategies.auto_selector
+    before = selector.measurements
+    first = denoise(pipe, "auto", args, embeds, dm, label="auto, first run")
+    cost = AutoCost(first, selector.measurements - before, selector.cache_path())
+    steady = run_strategy(pipe, "auto", args, embeds, dm, label="auto (steady state)")
+    return steady, cost
+
+
+def float32_reference(pipe, args, embeds, dm) -> RunResult:
+    """The ``sdpa`` run again in float32, same weights and inputs (upcast, so they are exactly
+    the 16-bit ones): its distance from the 16-bit ``sdpa`` run is the dtype's rounding."""
+    import torch
+
+    pipe = pipe.to(dtype=torch.float32)  # the last run: the pipeline is not cast back
+    embeds32 = tuple(e.float() for e in embeds)
+    return run_strategy(pipe, "sdpa", args, embeds32, dm, label=FLOAT32_REFERENCE_LABEL)
+
+
+def strategies_to_compare(requested: str, device) -> list[str]:
+    """The requested strategies that can run on `device`, always with ``sdpa``: it is the
+    reference the accuracy columns compare with."""
+    from . import strategies
+
+    names = []
+    for name in (s.strip() for s in requested.split(",")):
+        if not name or name in names:
+            continue
+        reason = strategies.unavailable_reason(name, device)
+        if reason is not None:
+            print(f"skipping {name}: {reason}")
+            continue
+        names.append(name)
+    if "sdpa" not in names:
+        print("adding sdpa: it is the reference of the accuracy columns")
+        names.append("sdpa")
+    return names
+
+
+# --------------------------------------------------------------------------- accuracy
+def relative_error(values, reference) -> float:
+    """||values - reference|| / ||reference|| (Euclidean over all elements, in float64)."""
+    import torch
+
+    values, reference = values.double(), reference.double()
+    norm = torch.linalg.vector_norm(reference)
+    distance = torch.linalg.vector_norm(values - reference)
+    if norm == 0:
+        return 0.0 if distance == 0 else math.inf
+    return float(distance / norm)
+
+
+def psnr_db(image, reference) -> float:
+    """Peak signal-to-noise ratio in dB of `image` against `reference`, pixels in [0, 1]
+    (peak 1); infinite when they are equal."""
+    mse = float(((image.double() - reference.double()) ** 2).mean())
+    return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+def accuracy(row: RunResult, reference: RunResult) -> dict:
+    """How far `row` is from the reference run: final latents and decoded image."""
+    return {
+        "latents_relative_error_vs_sdpa": relative_error(row.latents, reference.latents),
+        "image_psnr_db_vs_sdpa": psnr_db(row.image, reference.image),
+        # The former column, kept for bench/make_benchmarks_md.py.
+        "max_diff_vs_sdpa": float((row.latents - reference.latents).abs().max()),
+    }
+
+
+# --------------------------------------------------------------------------- report
+TABLE_HEADER = (
+    "| strategy | s / step | attention share | peak extra memory | "
+    "latents rel. error vs sdpa | image PSNR vs sdpa |"
+)
+
+
+def table_line(row: RunResult, measures: dict, is_reference: bool) -> str:
+    """One Markdown table row."""
+    share = f"{100 * row.attention_share:.0f}%" if row.attention_share is not None else "-"
+    if is_reference:
+        error = psnr = "reference"
+    else:
+        error = f"{measures['latents_relative_error_vs_sdpa']:.1e}"
+        value = measures["image_psnr_db_vs_sdpa"]
+        psnr = "identical" if math.isinf(value) else f"{value:.1f} dB"
+    return (
+        f"| {row.label} | {row.seconds_per_step:.2f} | {share} | "
+        f"{row.peak_memory_bytes / 2**20:,.0f} MiB | {error} | {psnr} |"
+    )
+
+
+def record(row: RunResult, measures: dict) -> dict:
+    """One results.json entry: the table's columns (PSNR null when the images are equal)."""
+    psnr = measures["image_psnr_db_vs_sdpa"]
+    return {
+        "strategy": row.strategy,
+        "label": row.label,
+        "dtype": row.dtype,
+        "seconds_per_step": row.seconds_per_step,
+        "attention_share": row.attention_share,
+        "peak_memory_bytes": row.peak_memory_bytes,
+        **measures,
+        "image_psnr_db_vs_sdpa": None if math.isinf(psnr) else psnr,
+    }
+
+
+def auto_cost_fields(steady: RunResult, cost: AutoCost) -> dict:
+    """results.json's extra fields for the auto row: its one-time cost, apart."""
+    return {
+        "first_run_seconds_per_step": cost.first_run.seconds_per_step,
+        "one_time_measuring_seconds": cost.measuring_seconds(steady),
+        "shapes_measured": cost.shapes_measured,
+    }
+
+
+def auto_cost_line(steady: RunResult, cost: AutoCost) -> str:
+    """The line under the table with auto's one-time measuring cost."""
+    if cost.shapes_measured:
+        what = (
+            f"it measured {cost.shapes_measured} new attention shapes and cached the choices "
+            f"in {cost.cache_path}, so later runs skip this"
+        )
+    else:
+        what = f"every shape's choice was already cached in {cost.cache_path}"
+    return (
+        f"auto's one-time measuring cost: {cost.measuring_seconds(steady):.2f} s (its first run "
+        f"took {cost.first_run.seconds_per_step:.2f} s / step against "
+        f"{steady.seconds_per_step:.2f} in the steady state above; {what})"
+    )
+
+
+def accuracy_note(dtype: str, has_float32_row: bool) -> str:
+    """How to read the accuracy columns (and, in 16-bit runs, the float32 row)."""
+    note = (
+        "rel. error = ||latents - sdpa's|| / ||sdpa's||; PSNR of the decoded image against "
+        "sdpa's (pixels in [0, 1], higher is closer)."
+    )
+    if has_float32_row:
+        note += (
+            f" '{FLOAT32_REFERENCE_LABEL}' is the same sdpa run in float32: its distance is "
+            f"{dtype}'s own rounding (amplified over the steps by the random weights), so "
+            "deviations of that size are rounding, not errors."
+        )
+    return note
+
+
+def chart_name(label: str) -> str:
+    """A table label on two short lines: "auto (steady state)" -> "auto\nsteady state"."""
+    return label.replace(" (", "\n").replace(")", "").replace(", ", "\n")
+
+
+def write_chart(rows: list[RunResult], psnrs: list[float], path: Path, title: str) -> None:
+    """Seconds per step, peak memory and image PSNR vs sdpa: one bar per table row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r.strategy for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.8))
-    ax1.bar(names, [r.seconds_per_step for r in results], color="#4477aa")
+    names = [chart_name(r.label) for r in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(12, 3.8))
+    ax1.bar(names, [r.seconds_per_step for r in rows], color="#4477aa")
     ax1.set_ylabel("seconds per denoising step")
-    ax2.bar(names, [r.peak_memory_bytes / 2**20 for r in results], color="#cc6677")
+    ax2.bar(names, [r.peak_memory_bytes / 2**20 for r in rows], color="#cc6677")
     ax2.set_ylabel("peak extra memory (MiB)")
+    ax3.bar(names, [p if math.isfinite(p) else 0.0 for p in psnrs], color="#228833")
+    for i, p in enumerate(psnrs):  # the reference itself (or an equal image) has no finite bar
+        if not math.isfinite(p):
+            ax3.text(i, 0, " = sdpa", ha="center", va="bottom", rotation=90, fontsize=8)
+    ax3.set_ylabel("image PSNR vs sdpa (dB, higher = closer)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def save_image(pipe, image, path: Path) -> None:
+    """Writes a decoded image (float, [0, 1]) as PNG."""
+    processor = pipe.image_processor
+    processor.numpy_to_pil(processor.pt_to_numpy(image))[0].save(path)
+
+
+def report(rows, reference, auto_steady, cost, args, title) -> None:
+    """Prints the table and auto's one-time cost; writes results.json and the chart."""
+    measures = [accuracy(r, reference) for r in rows]
+    print()
+    print(TABLE_HEADER)
+    print("|---|---|---|---|---|---|")
+    for row, m in zip(rows, measures):
+        print(table_line(row, m, row is reference))
+    print()
+    has_float32_row = rows[-1].label == FLOAT32_REFERENCE_LABEL
+    print(accuracy_note(reference.dtype, has_float32_row))
+    print(auto_cost_line(auto_steady, cost))
+
+    records = [record(r, m) for r, m in zip(rows, measures)]
+    for row, entry in zip(rows, records):
+        if row is auto_steady:
+            entry.update(auto_cost_fields(auto_steady, cost))
+    (args.out / "results.json").write_text(json.dumps(records, indent=1), encoding="utf-8")
+    psnrs = [m["image_psnr_db_vs_sdpa"] for m in measures]
+    write_chart(rows, psnrs, args.out / "strategies.png", title)
+
+
+# --------------------------------------------------------------------------- command line
+@contextlib.contextmanager
+def quiet_third_party_warnings():
+    """Silences diffusers' and transformers' configuration chatter while the demo runs.
+
+    Their warnings are about config files, dtype casts and optional packages ("The config
+    attributes ... were passed to ..., but are not expected", "should be kept in float32",
+    FutureWarnings), not about the user's run, and they bury the table. Their loggers keep
+    errors; their FutureWarning and DeprecationWarning are ignored. npu_attn's logger and every
+    other warning are untouched, and levels and filters are restored on exit, so a program that
+    calls :func:`main` keeps its own settings. A library whose ``<NAME>_VERBOSITY`` is set is
+    left as the user asked.
+    """
+    saved_levels = {}
+    with warnings.catch_warnings():
+        for name in THIRD_PARTY_LIBRARIES:
+            if os.environ.get(f"{name.upper()}_VERBOSITY"):
+                continue
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=rf"{name}(\.|$)")
+            try:
+                # Importing configures the library's logger, which would reset a level set
+                # earlier; diffusers imports transformers for Stable Diffusion anyway.
+                importlib.import_module(name)
+            except ImportError:
+                continue
+            logger = logging.getLogger(name)
+            saved_levels[name] = logger.level
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for name, level in saved_levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn demo",
         description=__doc__,
@@ -234,7 +544,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--strategies",
         default="vanilla,sdpa,tiled",
-        help="comma-separated strategies to compare (unavailable ones are skipped)",
+        help="comma-separated strategies to compare (unavailable ones are skipped; sdpa, the "
+        "accuracy reference, is always run)",
     )
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -244,10 +555,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=Path("npu_attn_out/demo"),
         help="output folder (default npu_attn_out/demo)",
     )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("npu_attn").setLevel(logging.INFO)
+    return parser
 
+
+def prepare_pipeline(args):
+    """(pipeline, cross-attention dim, source description); sets args.size. ValueError or
+    OSError for a --weights folder that cannot be loaded."""
+    if args.weights is not None:
+        pipe = load_pipeline(args.weights)
+        latent_size = pipe.unet.config.sample_size or 64
+        args.size = args.size or latent_size * pipe.vae_scale_factor
+        return pipe, pipe.unet.config.cross_attention_dim, f"weights from {args.weights}"
+    pipe = build_pipeline(args.model)
+    _, default_size, cross_dim, _ = MODELS[args.model]
+    args.size = args.size or default_size
+    return pipe, cross_dim, f"{args.model} architecture, RANDOM weights (the image is noise)"
+
+
+def run(args) -> int:
+    """The demo itself (see the module docstring); 0 on success, 2 for an unusable --weights."""
     import torch
 
     from . import _runtime, strategies
@@ -257,76 +583,43 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(args.threads)
         _runtime.set_num_threads(args.threads)
     dm = DeviceManager()
-    if args.weights is not None:
-        try:
-            pipe = load_pipeline(args.weights)
-        except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        cross_dim = pipe.unet.config.cross_attention_dim
-        latent_size = pipe.unet.config.sample_size or 64
-        args.size = args.size or latent_size * pipe.vae_scale_factor
-        source = f"weights from {args.weights}"
-    else:
-        pipe = build_pipeline(args.model)
-        _, default_size, cross_dim, _ = MODELS[args.model]
-        args.size = args.size or default_size
-        source = f"{args.model} architecture, RANDOM weights (the image is noise)"
+    try:
+        pipe, cross_dim, source = prepare_pipeline(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     pipe = pipe.to(dm.device, dm.dtype)
     embeds = prompt_embeddings(pipe, cross_dim, dm.dtype, dm.device, args.prompt)
     threads = _runtime.get_num_threads()
+    dtype = str(dm.dtype).replace("torch.", "")
     print(
         f"npu_attn demo: {source}; {args.size}x{args.size}, {args.steps} steps, batch 2 (CFG); "
-        f"device {dm.device}, dtype {str(dm.dtype).replace('torch.', '')}, {threads} threads, "
+        f"device {dm.device}, dtype {dtype}, {threads} threads, "
         f"kernel {_runtime.active_isa()}"
     )
 
     args.out.mkdir(parents=True, exist_ok=True)
-    auto = denoise(pipe, "auto", args, embeds, dm, show_progress=True)
-    image = pipe.vae.decode(
-        auto.latents.to(dm.device, dm.dtype) / pipe.vae.config.scaling_factor
-    ).sample
-    pil = pipe.image_processor.postprocess(image.detach(), output_type="pil")[0]
+    auto, cost = run_auto(pipe, args, embeds, dm)
     image_path = args.out / "image.png"
-    pil.save(image_path)
+    save_image(pipe, auto.image, image_path)
     chosen = sorted(set(strategies.auto_selector.choices().values()))
     print(f"auto chose: {', '.join(chosen) or '(cached choices)'}")
 
-    wanted = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    results = []
-    for name in wanted:
-        reason = strategies.unavailable_reason(name, dm.device)
-        if reason is not None:
-            print(f"skipping {name}: {reason}")
-            continue
-        results.append(denoise(pipe, name, args, embeds, dm, show_progress=True))
-    reference = next((r for r in results if r.strategy == "sdpa"), None)
-    print()
-    print("| strategy | s / step | attention share | peak extra memory | max |latents - sdpa| |")
-    print("|---|---|---|---|---|")
-    table = []
-    for r in results + [auto]:
-        diff = float((r.latents - reference.latents).abs().max()) if reference else float("nan")
-        share = f"{100 * r.attention_share:.0f}%" if r.attention_share is not None else "-"
-        print(
-            f"| {r.strategy} | {r.seconds_per_step:.2f} | {share} | "
-            f"{r.peak_memory_bytes / 2**20:,.0f} MiB | {diff:.2e} |"
-        )
-        table.append(
-            {
-                "strategy": r.strategy,
-                "seconds_per_step": r.seconds_per_step,
-                "attention_share": r.attention_share,
-                "peak_memory_bytes": r.peak_memory_bytes,
-                "max_diff_vs_sdpa": diff,
-            }
-        )
-    chart_path = args.out / "strategies.png"
-    write_chart(
-        results + [auto],
-        chart_path,
-        f"{source.split(',')[0]} {args.size}px, {args.steps} steps, {threads} threads",
-    )
-    (args.out / "results.json").write_text(json.dumps(table, indent=1), encoding="utf-8")
-    print(f"\nwrote {image_path}, {chart_path} and {args.out / 'results.json'}")
+    names = strategies_to_compare(args.strategies, dm.device)
+    results = [run_strategy(pipe, name, args, embeds, dm) for name in names]
+    reference = next(r for r in results if r.strategy == "sdpa")
+    rows = results + [auto]
+    if dm.dtype in (torch.float16, torch.bfloat16):
+        rows.append(float32_reference(pipe, args, embeds, dm))
+    title = f"{source.split(',')[0]} {args.size}px, {dtype}, {args.steps} steps, {threads} threads"
+    report(rows, reference, auto, cost, args, title)
+    print(f"\nwrote {image_path}, {args.out / 'strategies.png'} and {args.out / 'results.json'}")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("npu_attn").setLevel(logging.INFO)
+    with quiet_third_party_warnings():
+        return run(args)

@@ -1,17 +1,48 @@
-"""The demo's --weights path (a real local diffusers folder) and its errors. The default run
-(--model tiny) is exercised by the README test."""
+"""``python -m npu_attn demo``: real runs of the tiny model (1 step) in a subprocess.
+
+One bfloat16 run (shared by several tests, it is the slow part) checks what the table reports
+and what the demo leaves behind; the --weights path (a real local diffusers folder) and its
+errors run in float32. Correctness only: timings on a shared machine are not asserted.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
+import pytest
+
 from npu_attn.demo import build_pipeline
 
+# Lines diffusers and transformers print about configurations, casts and optional packages
+# (each was in the demo's output before it silenced them).
+THIRD_PARTY_CHATTER = re.compile(
+    r"but are not expected|FutureWarning|DeprecationWarning|should be kept in float32"
+    r"|^\[transformers\]|steps_offset|low cpu memory usage",
+    re.M,
+)
 
-def run_demo(tmp_path, *args):
-    env = dict(os.environ, NPU_ATTN_CACHE_DIR=str(tmp_path / "cache"), NPU_ATTN_DTYPE="float32")
+
+def subprocess_pythonpath() -> str:
+    """PYTHONPATH with relative entries made absolute: the demo runs in another directory and
+    must import the npu_attn under test (``PYTHONPATH=python pytest`` would otherwise fall back
+    to an installed copy)."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(os.path.abspath(entry) for entry in entries if entry)
+
+
+def run_demo(tmp_path, *args, dtype="float32"):
+    env = dict(
+        os.environ,
+        NPU_ATTN_CACHE_DIR=str(tmp_path / "cache"),
+        NPU_ATTN_DTYPE=dtype,
+        PYTHONPATH=subprocess_pythonpath(),
+    )
+    for name in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):  # would keep the chatter
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", "npu_attn", "demo", *args],
         capture_output=True,
@@ -22,8 +53,88 @@ def run_demo(tmp_path, *args):
     )
 
 
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """The demo's table: row label -> the other cells."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[0] != "strategy":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def bf16_demo(tmp_path_factory):
+    """The tiny model for one step in bfloat16, with a fresh auto cache."""
+    tmp_path = tmp_path_factory.mktemp("demo_bf16")
+    out = tmp_path / "out"
+    result = run_demo(
+        tmp_path, "--model", "tiny", "--steps", "1", "--out", str(out), dtype="bfloat16"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    return {"result": result, "tmp_path": tmp_path, "out": out, "json": results}
+
+
+def test_demo_output_has_no_third_party_configuration_warnings(bf16_demo):
+    result = bf16_demo["result"]
+    output = result.stdout + result.stderr
+    assert THIRD_PARTY_CHATTER.findall(output) == [], output
+    # npu_attn's own log lines are still shown.
+    assert "npu_attn: unet: 8 attention processors -> auto" in output
+    assert "npu_attn auto: q(" in output
+
+
+def test_bf16_table_has_relative_error_psnr_and_a_float32_reference(bf16_demo):
+    stdout = bf16_demo["result"].stdout
+    assert "| latents rel. error vs sdpa | image PSNR vs sdpa |" in stdout
+    rows = table_rows(stdout)
+    assert rows["sdpa"][-2:] == ["reference", "reference"]
+    floor, tiled = rows["sdpa, float32"], rows["tiled"]
+    for cells in (floor, tiled, rows["vanilla"]):
+        float(cells[-2])  # a relative error
+        assert re.fullmatch(r"\d+\.\d dB|identical", cells[-1]), cells
+
+    # results.json has the same rows and columns, and the numbers mean what the note says:
+    # tiled in bfloat16 is as far from sdpa as bfloat16's own rounding (sdpa in float32).
+    by_label = {r["label"]: r for r in bf16_demo["json"]}
+    assert set(by_label) == set(rows)
+    assert by_label["sdpa, float32"]["dtype"] == "float32"
+    assert by_label["tiled"]["dtype"] == "bfloat16"
+    floor_error = by_label["sdpa, float32"]["latents_relative_error_vs_sdpa"]
+    assert 0 < by_label["tiled"]["latents_relative_error_vs_sdpa"] < 10 * floor_error
+    assert by_label["sdpa"]["image_psnr_db_vs_sdpa"] is None  # identical to itself
+    assert by_label["tiled"]["image_psnr_db_vs_sdpa"] > 20
+    assert (bf16_demo["out"] / "strategies.png").is_file()
+
+
+def test_auto_steady_state_row_is_separate_from_its_measuring_cost(bf16_demo):
+    stdout = bf16_demo["result"].stdout
+    rows = table_rows(stdout)
+    assert "auto (steady state)" in rows and "auto" not in rows
+    assert re.search(r"auto's one-time measuring cost: \d+\.\d\d s .*measured \d+ new", stdout)
+    auto = next(r for r in bf16_demo["json"] if r["strategy"] == "auto")
+    assert auto["label"] == "auto (steady state)"
+    assert auto["shapes_measured"] >= 1  # the cache was empty: the first run measured
+    assert auto["one_time_measuring_seconds"] >= 0
+    assert auto["first_run_seconds_per_step"] > 0
+
+
+def test_vae_decode_runs_without_autograd(bf16_demo):
+    cache = bf16_demo["tmp_path"] / "cache" / "auto_strategy.json"
+    entries = [key for shapes in json.loads(cache.read_text()).values() for key in shapes]
+    assert any(key.startswith("q(1, 1, ") for key in entries), entries  # the VAE's attention
+    assert [key for key in entries if key.endswith(" fwd+bwd")] == []
+
+
 def test_demo_runs_a_local_diffusers_folder(tmp_path):
     build_pipeline("tiny").save_pretrained(tmp_path / "model")
+    # A config attribute this diffusers version does not know (as in folders saved by another
+    # version): diffusers warns about it, the demo must not pass that on.
+    config_path = tmp_path / "model" / "unet" / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["an_attribute_from_another_version"] = 1
+    config_path.write_text(json.dumps(config), encoding="utf-8")
     result = run_demo(
         tmp_path,
         "--weights",
@@ -31,14 +142,17 @@ def test_demo_runs_a_local_diffusers_folder(tmp_path):
         "--steps",
         "1",
         "--strategies",
-        "sdpa,tiled",
+        "tiled",
         "--out",
         str(tmp_path / "out"),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"weights from {tmp_path / 'model'}" in result.stdout
     assert (tmp_path / "out" / "image.png").is_file()
-    assert "| tiled |" in result.stdout and "| sdpa |" in result.stdout
+    rows = table_rows(result.stdout)
+    assert "tiled" in rows and "sdpa" in rows  # sdpa is added: the accuracy reference
+    assert "sdpa, float32" not in rows  # float32 needs no rounding reference
+    assert THIRD_PARTY_CHATTER.findall(result.stdout + result.stderr) == []
 
 
 def test_demo_refuses_a_folder_that_is_not_a_diffusers_model(tmp_path):
