@@ -1,5 +1,6 @@
 // The C++ API of the attention core: argument validation (the single boundary check that turns
-// caller tensors into a trusted AttentionParams), the reference implementation, and threads.
+// caller tensors into a trusted AttentionParams) and threads. The test-only double-precision
+// reference is in reference.h.
 // No Python here: the pybind11 binding (bindings.cpp) converts Python objects to TensorView.
 #pragma once
 
@@ -43,7 +44,7 @@ struct SdpaArguments {
   TensorView key;                       // (B, Hkv, Lk, D)
   TensorView value;                     // (B, Hkv, Lk, Dv)
   std::optional<TensorView> attn_mask;  // bool or float32, broadcastable to (B, Hq, Lq, Lk)
-  TensorView out;                       // (B, Hq, Lq, Dv) float32, written
+  TensorView out;                       // (B, Hq, Lq, Dv) query's dtype, written
   std::optional<TensorView> lse;        // (B, Hq, Lq) float32, written
   std::optional<double> scale;          // default 1/sqrt(D)
   bool is_causal = false;
@@ -59,7 +60,7 @@ AttentionParams make_attention_params(const SdpaArguments& args);
 // results (read, lse required); the three gradients are written in full.
 struct SdpaBackwardArguments {
   SdpaArguments forward;
-  TensorView grad_out;                 // (B, Hq, Lq, Dv) float32
+  TensorView grad_out;                 // (B, Hq, Lq, Dv) query's dtype
   std::optional<TensorView> grad_lse;  // (B, Hq, Lq) float32, gradient of the lse output
   TensorView grad_query;               // like query, written
   TensorView grad_key;                 // like key, written
@@ -68,14 +69,6 @@ struct SdpaBackwardArguments {
 
 // Checks every argument of the backward (the forward's too) and builds the kernel parameters.
 AttentionBackwardParams make_attention_backward_params(const SdpaBackwardArguments& args);
-
-// Straightforward attention that materialises the (Lq x Lk) scores of one head at a time and
-// accumulates in double. Same semantics as the kernels; for tests only.
-void attention_reference(const AttentionParams& params);
-
-// The gradients of attention_reference, computed in double from the inputs alone (P from a full
-// softmax, not from the saved lse); for tests only.
-void attention_backward_reference(const AttentionBackwardParams& params);
 
 // Threads used by the kernels (defaults to omp_get_max_threads() at first use).
 int get_num_threads();

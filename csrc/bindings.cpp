@@ -192,19 +192,17 @@ std::vector<std::string> isa_names(const std::vector<npu_attn::Isa>& isas) {
 
 void forward(py::handle query, py::handle key, py::handle value, py::handle out,
              py::object attn_mask, py::object lse, std::optional<double> scale, bool is_causal,
-             bool enable_gqa, std::optional<int> num_threads, std::optional<std::string> isa,
-             bool reference) {
+             bool enable_gqa, std::optional<int> num_threads, std::optional<std::string> isa) {
   const auto args = collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal,
                                       enable_gqa, num_threads);
   const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
-  const npu_attn::Isa variant =
-      isa ? isa_from_name(*isa)
-          : npu_attn::active_isa(params.element, npu_attn::shape_class(params));
+  const std::optional<npu_attn::Isa> variant =
+      isa ? std::optional<npu_attn::Isa>(isa_from_name(*isa)) : std::nullopt;
   py::gil_scoped_release no_gil;
-  if (reference) {
-    npu_attn::attention_reference(params);
+  if (variant) {
+    npu_attn::run_attention_forward(params, *variant);
   } else {
-    npu_attn::run_attention_forward(params, variant);
+    npu_attn::run_attention_forward(params);  // the variant active for its dtype and shape
   }
 }
 
@@ -212,7 +210,7 @@ void backward(py::handle query, py::handle key, py::handle value, py::handle out
               py::handle grad_out, py::handle grad_query, py::handle grad_key,
               py::handle grad_value, py::object attn_mask, py::object grad_lse,
               std::optional<double> scale, bool is_causal, bool enable_gqa,
-              std::optional<int> num_threads, std::optional<std::string> isa, bool reference) {
+              std::optional<int> num_threads, std::optional<std::string> isa) {
   npu_attn::SdpaBackwardArguments args;
   args.forward =
       collect_arguments(query, key, value, out, attn_mask, py::reinterpret_borrow<py::object>(lse),
@@ -223,14 +221,13 @@ void backward(py::handle query, py::handle key, py::handle value, py::handle out
   args.grad_key = to_view(grad_key, true, "grad_key");
   args.grad_value = to_view(grad_value, true, "grad_value");
   const npu_attn::AttentionBackwardParams params = npu_attn::make_attention_backward_params(args);
-  const npu_attn::Isa variant =
-      isa ? isa_from_name(*isa)
-          : npu_attn::active_isa(params.fwd.element, npu_attn::shape_class(params.fwd));
+  const std::optional<npu_attn::Isa> variant =
+      isa ? std::optional<npu_attn::Isa>(isa_from_name(*isa)) : std::nullopt;
   py::gil_scoped_release no_gil;
-  if (reference) {
-    npu_attn::attention_backward_reference(params);
+  if (variant) {
+    npu_attn::run_attention_backward(params, *variant);
   } else {
-    npu_attn::run_attention_backward(params, variant);
+    npu_attn::run_attention_backward(params);
   }
 }
 
@@ -267,7 +264,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("attn_mask") = py::none(), py::arg("lse") = py::none(),
         py::arg("scale") = py::none(), py::arg("is_causal") = false, py::arg("enable_gqa") = false,
         py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
-        py::arg("reference") = false,
         "Attention forward into `out` (and `lse`). Inputs: DLPack capsules or buffers.");
 
   m.def("backward", &backward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
@@ -275,7 +271,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_value"), py::arg("attn_mask") = py::none(), py::arg("grad_lse") = py::none(),
         py::arg("scale") = py::none(), py::arg("is_causal") = false, py::arg("enable_gqa") = false,
         py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
-        py::arg("reference") = false,
         "Gradients of the forward call (query, key, value, attn_mask, scale, is_causal, "
         "enable_gqa) that produced `out` and `lse`, written into grad_query/key/value.");
 

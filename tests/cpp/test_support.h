@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "dispatch.h"
+#include "reference.h"
 
 namespace npu_attn::testing {
 
