@@ -30,9 +30,18 @@ q0, k0, v0 = qkv()
 
 BAD_CALLS = [
     # (description, call, exception, text that must appear in the message)
-    ("query rank", lambda: sdpa(q0[0, 0], k0, v0), ValueError, "query must have 4 dimensions"),
-    ("key rank", lambda: sdpa(q0, k0[None], v0), ValueError, "key must have 4 dimensions"),
-    ("batch mismatch", lambda: sdpa(q0, torch.randn(2, 2, 10, 16), v0), ValueError, "batch"),
+    # Any rank >= 2 works and batch sizes of 1 broadcast, as in torch; 1-D inputs and batch
+    # sizes that cannot broadcast are errors (torch raises too).
+    ("query rank", lambda: sdpa(q0[0, 0, 0], k0, v0), ValueError, "query must have at least 2"),
+    ("key rank", lambda: sdpa(q0, k0[0, 0, 0], v0), ValueError, "key must have at least 2"),
+    (
+        "batch mismatch",
+        lambda: sdpa(
+            torch.randn(2, 2, 8, 16), torch.randn(3, 2, 10, 16), torch.randn(3, 2, 10, 16)
+        ),
+        ValueError,
+        "batch",
+    ),
     ("head_dim mismatch", lambda: sdpa(q0, torch.randn(1, 2, 10, 8), v0), ValueError, "head_dim"),
     ("value length", lambda: sdpa(q0, k0, torch.randn(1, 2, 9, 16)), ValueError, "value"),
     (

@@ -150,9 +150,16 @@ def test_non_contiguous_inputs_and_output_layout():
     v = torch.randn(2, 3, 90, 40)
     out = npu_attn.scaled_dot_product_attention(q, k, v)
     assert max_err(out, reference_sdpa(q, k, v)) <= 1e-5
-    # Output is stored (B, L, H, D) like torch's CPU flash kernel: reshaping to (B, L, H*D),
-    # as diffusers does next, is free.
+    # torch's CPU SDPA returns a contiguous tensor here (key's last dim has stride 90, so it
+    # does not run its flash kernel): so does npu_attn, and out.view(-1) works on both.
+    assert out.is_contiguous() and F.scaled_dot_product_attention(q, k, v).is_contiguous()
+    # With (B, L, H, D) inputs, as diffusers passes them, torch's flash kernel stores the
+    # output (B, L, H, D) and so does npu_attn: reshaping to (B, L, H*D) next is free.
+    k, v = (torch.randn(2, 90, 3, 40).transpose(1, 2) for _ in range(2))
+    out = npu_attn.scaled_dot_product_attention(q, k, v)
+    assert max_err(out, reference_sdpa(q, k, v)) <= 1e-5
     assert out.transpose(1, 2).is_contiguous()
+    assert out.stride() == F.scaled_dot_product_attention(q, k, v).stride()
 
 
 def test_expanded_inputs_with_zero_strides():

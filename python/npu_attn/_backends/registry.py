@@ -161,8 +161,12 @@ BACKENDS: tuple[Backend, ...] = (
 BY_NAME = {b.name: b for b in BACKENDS}
 
 
-def select(args: tuple, backend: Optional[str]) -> Backend:
-    """The backend to run ``args`` (SDPA positional arguments) on; see module docstring."""
+def select(args: tuple, backend: Optional[str], preferred: Optional[str] = None) -> Backend:
+    """The backend to run ``args`` (SDPA positional arguments) on; see module docstring.
+
+    ``preferred`` (the default set with ``set_attention_strategy(None, name)``) is taken when it
+    can run the call; otherwise the automatic choice applies, so a default that cannot take a
+    call (``"tiled"`` and float64, ``"npu"`` and CPU tensors) does not make the call fail."""
     if backend is not None:
         if backend not in BY_NAME:
             raise ValueError(f"unknown backend {backend!r}; backends: {', '.join(BY_NAME)}")
@@ -171,8 +175,16 @@ def select(args: tuple, backend: Optional[str]) -> Backend:
             raise ValueError(f"backend {backend!r} cannot run this call: " + "; ".join(reasons))
         return BY_NAME[backend]
     query = args[0]
-    if query.device.type == "cpu" and query.dtype in _FLOATS and not args[4]:
-        return BY_NAME["tiled"]  # the common case, decided without building refusal lists
+    # The common case, decided without building refusal lists.
+    tiled_fits = query.device.type == "cpu" and query.dtype in _FLOATS and not args[4]
+    if (
+        preferred in BY_NAME
+        and preferred != "tiled"
+        and not BY_NAME[preferred].not_supported_reasons(*args)
+    ):
+        return BY_NAME[preferred]
+    if tiled_fits:
+        return BY_NAME["tiled"]
     refusals = {}
     for candidate in BACKENDS:
         reasons = candidate.not_supported_reasons(*args)
