@@ -19,16 +19,15 @@ from ._runtime import (
     set_num_threads,
     workspace_stats,
 )
+from ._version import __version__
 from .functional import scaled_dot_product_attention
-
-__version__ = "0.1.0"
 
 # The diffusers integration needs torch; import it on first use so that NumPy-only users of the
 # kernel do not pay for (or need) torch.
 _LAZY = {
     "set_attention_strategy": "diffusers_integration",
     "reset_attention_strategy": "diffusers_integration",
-    "default_strategy": "diffusers_integration",
+    "default_strategy": "_config",
     "attention_strategy_of": "diffusers_integration",
     "STRATEGIES": "strategies",
     "DeviceManager": "device",

@@ -27,32 +27,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ._backends.torch_sdpa import ORIGINAL_SDPA
+
 SdpaFunction = Callable[..., torch.Tensor]
 
 _active: ContextVar[Optional[SdpaFunction]] = ContextVar("npu_attn_active_sdpa", default=None)
 _install_lock = threading.Lock()
-_original: Optional[SdpaFunction] = None
-
-
-def original_sdpa() -> SdpaFunction:
-    """torch's own SDPA, whether or not the shim is installed."""
-    return _original if _original is not None else F.scaled_dot_product_attention
-
-
-def call_original(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
-    """torch's own SDPA, called with SDPA's positional argument order."""
-    return original_sdpa()(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+_installed = False
 
 
 def _call_active(
@@ -71,11 +52,11 @@ def _call_active(
 
 def install() -> None:
     """Install the pass-through shim (idempotent, thread-safe)."""
-    global _original
+    global _installed
     with _install_lock:
-        if _original is not None:
+        if _installed:
             return
-        original = F.scaled_dot_product_attention
+        original = ORIGINAL_SDPA
 
         @functools.wraps(original)
         def scaled_dot_product_attention(*args, **kwargs):
@@ -84,7 +65,7 @@ def install() -> None:
                 return original(*args, **kwargs)
             return _call_active(fn, *args, **kwargs)
 
-        _original = original
+        _installed = True
         F.scaled_dot_product_attention = scaled_dot_product_attention
 
 

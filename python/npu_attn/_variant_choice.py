@@ -72,7 +72,7 @@ def fingerprint() -> str:
     npu_attn build: a cached choice is reused only where all of them are the same."""
     cpu = _C.cpu_info()
     build = _C.build_info()
-    from . import __version__
+    from ._version import __version__
 
     parts = [
         cpu["vendor"],

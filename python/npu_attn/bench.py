@@ -213,7 +213,8 @@ def measure_memory(case: Case, name: str, threads: int) -> Optional[int]:
 def machine_info(threads: int) -> dict:
     import torch
 
-    from . import _C, __version__, _runtime
+    from . import _C, _runtime
+    from ._version import __version__
 
     cpu = platform.processor() or platform.machine()
     try:

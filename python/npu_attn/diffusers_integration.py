@@ -22,42 +22,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 
-from . import _redirect, strategies
+from . import _config, _redirect, strategies
+from ._config import default_strategy
 
 logger = logging.getLogger("npu_attn")
 
 _ORIGINALS_ATTR = "_npu_attn_original_processors"
-_default_strategy: Optional[str] = None
-_alias_noted = False
-
-
-# --------------------------------------------------------------------------- defaults
-def default_strategy() -> str:
-    """The strategy used when none is given: set by ``set_attention_strategy(None, s)``, else
-    ``NPU_ATTN_STRATEGY``, else ``DIFFUSERS_ATTENTION_TYPE`` (the seeds' variable, which
-    diffusers itself ignores), else ``"auto"``."""
-    global _alias_noted
-    if _default_strategy is not None:
-        return _default_strategy
-    env = os.environ.get("NPU_ATTN_STRATEGY")
-    if env:
-        return env.strip().lower()
-    alias = os.environ.get("DIFFUSERS_ATTENTION_TYPE")
-    if alias:
-        if not _alias_noted:
-            _alias_noted = True
-            logger.warning(
-                "npu_attn: honouring DIFFUSERS_ATTENTION_TYPE=%s. Note that diffusers itself never "
-                "reads this variable; npu_attn does. Prefer NPU_ATTN_STRATEGY.",
-                alias,
-            )
-        return alias.strip().lower()
-    return "auto"
 
 
 # --------------------------------------------------------------------------- processors
@@ -226,9 +200,9 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
     Args:
         target: a diffusers pipeline (every model component is switched), a model such as a
             ``UNet2DConditionModel``, ``SD3Transformer2DModel``, ``FluxTransformer2DModel`` or
-            ``HiDreamImageTransformer2DModel``, or ``None`` to set the default strategy used for
-            models switched later without a strategy and by
-            :func:`npu_attn.scaled_dot_product_attention`'s callers of ``strategy="default"``.
+            ``HiDreamImageTransformer2DModel``, or ``None`` to set the default strategy: used for
+            models switched later without a strategy, and preferred by direct
+            :func:`npu_attn.scaled_dot_product_attention` calls where it can run them.
         strategy: ``"vanilla"``, ``"sdpa"``, ``"tiled"``, ``"npu"`` or ``"auto"``; ``None``
             uses :func:`default_strategy`.
         options: reserved; unknown options raise ``TypeError``.
@@ -240,13 +214,12 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
         ValueError: unknown strategy, or one unavailable for the model's device (the message
             lists the valid ones and why this one cannot run).
     """
-    global _default_strategy
     if options:
         raise TypeError(f"set_attention_strategy got unexpected options: {sorted(options)}")
     chosen = (strategy or default_strategy()).strip().lower()
     if target is None:
         strategies.check_strategy(chosen)
-        _default_strategy = chosen
+        _config.set_default_strategy(chosen)
         logger.info("npu_attn: default attention strategy set to %s", chosen)
         return chosen
 
@@ -270,9 +243,8 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
 def reset_attention_strategy(target: Any = None) -> None:
     """Restore the processors a pipeline/model had before npu_attn touched it (the same
     objects). ``None`` resets the default strategy instead."""
-    global _default_strategy
     if target is None:
-        _default_strategy = None
+        _config.set_default_strategy(None)
         return
     for model in _models_of(target).values():
         originals = getattr(model, _ORIGINALS_ATTR, None)

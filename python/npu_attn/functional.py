@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
-from . import _C, _runtime
+from . import _C, _counts, _runtime, _variant_choice
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -288,14 +288,6 @@ def _transform_backend(registry, transform: tuple[str, bool], backend: Optional[
     return chosen
 
 
-def _fold_causal(torch, mask, lq: int, lk: int):
-    """attn_mask with the top-left causal mask applied (torch's math path refuses both)."""
-    keep = torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return mask & keep
-    return mask.masked_fill(~keep, float("-inf"))
-
-
 def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool:
     """True when torch 2.13's CPU SDPA would return this call's output in the query's memory
     order with heads inside the sequence ((B, L, H, D) storage, which ``.view(-1)`` refuses).
@@ -322,17 +314,16 @@ def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool
 
 
 def _default_backend() -> Optional[str]:
-    """A concrete default strategy set via set_attention_strategy(None, s) / environment."""
-    integration = sys.modules.get("npu_attn.diffusers_integration")
-    if integration is None:
-        return None
-    name = integration._default_strategy
-    return name if name in ("tiled", "npu", "sdpa", "vanilla") else None
+    """The default set with ``set_attention_strategy(None, name)``, when it names a backend."""
+    from . import _config
+
+    return _config.explicit_default()
 
 
 def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend):
     torch = _torch()
     from ._backends import registry
+    from ._backends.base import AttentionCall
 
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -372,31 +363,18 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     q, k, v, mask = _apply_plan(
         plan, query, key, value, attn_mask, torch.Tensor.reshape, torch.Tensor.expand
     )
-    scale = None if scale is None else float(scale)
-    is_causal, enable_gqa = bool(is_causal), bool(enable_gqa)
-    args = (q, k, v, mask, 0.0, is_causal, scale, enable_gqa)
+    # The one validated call object every backend receives (scale resolved once there).
+    call = AttentionCall.of(q, k, v, mask, 0.0, is_causal, scale, enable_gqa)
     if transform is not None:
         chosen = _transform_backend(registry, transform, backend)
     else:
-        chosen = registry.select(args, backend, None if backend else _default_backend())
-    if chosen.name == "tiled":
-        from . import ops
-
-        needs_op = torch.compiler.is_compiling() or registry.needs_grad(q, k, v, mask)
-        # Outside autograd and compilation the registered op adds only dispatch overhead
-        # (~30 us a call, which matters for small attention calls): call the kernel directly.
-        run = ops.sdpa_forward if needs_op else ops.forward_cpu
-        out, lse = run(q, k, v, mask, is_causal, scale, enable_gqa)
+        chosen = registry.select(call, backend, None if backend else _default_backend())
+    if not torch.compiler.is_compiling():  # counting takes a lock, which dynamo cannot trace
+        _counts.count(chosen.name)
+    if return_lse:
+        out, lse = chosen.forward_with_lse(call)
     else:
-        if return_lse:
-            raise ValueError(
-                f"return_lse=True needs the tiled backend; this call uses {chosen.name}"
-            )
-        if mask is not None and mask.dtype not in (torch.bool, q.dtype):
-            mask = mask.to(q.dtype)  # a float32 mask with 16-bit or float64 inputs
-        if mask is not None and is_causal:  # same semantics as the kernel: both apply
-            mask, is_causal = _fold_causal(torch, mask, q.shape[-2], k.shape[-2]), False
-        out, lse = chosen.run(q, k, v, mask, 0.0, is_causal, scale, enable_gqa), None
+        out, lse = chosen.forward(call), None
     if tuple(out.shape) != plan.out:
         out = out.reshape(plan.out)
         lse = None if lse is None else lse.reshape(plan.lse)
@@ -444,6 +422,8 @@ def _numpy_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     b, hq, lq, _ = q.shape
     out = np.empty((b, lq, hq, v.shape[-1]), dtype=query.dtype).transpose(0, 2, 1, 3)
     lse = np.empty((b, hq, lq), dtype=np.float32) if return_lse else None
+    _variant_choice.ensure("float32" if query.dtype == np.float32 else "float16")
+    _counts.count("tiled")
     _C.forward(
         q,
         k,

@@ -16,7 +16,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 import npu_attn
 from npu_attn import strategies
-from npu_attn.strategies import AutoSelector
+from npu_attn._auto import AutoSelector
 from tiny_models import tiny_flux, tiny_hidream, tiny_sd3, tiny_unet, tiny_vae
 
 STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
@@ -262,7 +262,7 @@ def test_auto_measures_once_and_reuses_the_cached_choice(caplog):
     choices = strategies.auto_selector.choices()
     assert set(choices.values()) <= {"tiled", "sdpa", "vanilla"} and choices
     # A new process (fresh selector) reads the choices from the per-machine cache file.
-    fresh = AutoSelector()
+    fresh = AutoSelector(strategies.RUNNERS.__getitem__)
     assert AutoSelector.cache_path().exists()
     for key, choice in choices.items():
         assert fresh.cached_choice(key)["choice"] == choice
@@ -290,9 +290,9 @@ def test_default_strategy_from_none_target_and_environment(monkeypatch, caplog):
     assert npu_attn.set_attention_strategy(unet) == "tiled"
     monkeypatch.delenv("NPU_ATTN_STRATEGY")
     monkeypatch.setenv("DIFFUSERS_ATTENTION_TYPE", "sdpa")  # the seeds' variable
-    from npu_attn import diffusers_integration
+    from npu_attn import _config
 
-    monkeypatch.setattr(diffusers_integration, "_alias_noted", False)
+    monkeypatch.setattr(_config, "_alias_noted", False)
     with caplog.at_level(logging.WARNING, logger="npu_attn"):
         assert npu_attn.set_attention_strategy(unet) == "sdpa"
         npu_attn.set_attention_strategy(unet)

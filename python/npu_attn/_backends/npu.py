@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from .. import _redirect
+from .base import AttentionCall, Backend
+from .torch_sdpa import call_original
 
 
 def unavailable_reason(device_type: str) -> str | None:
@@ -55,9 +56,7 @@ def fusion_attention(
 ):
     """SDPA semantics on torch_npu's fused kernel (see module docstring)."""
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return _redirect.call_original(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-        )
+        return call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     torch_npu = importlib.import_module("torch_npu")
     batch, heads, len_q, head_dim = query.shape
     len_k = key.shape[-2]
@@ -83,3 +82,28 @@ def fusion_attention(
         next_tockens=65536,
     )
     return outputs[0]
+
+
+class NpuBackend(Backend):
+    name = "npu"
+    description = "torch_npu.npu_fusion_attention (Ascend; unverified on hardware)"
+    devices = ("npu",)
+    dtypes = (torch.float16, torch.bfloat16)
+    supports_dropout = True
+
+    def unavailable_reason(self):
+        if importlib.util.find_spec("torch_npu") is None:
+            return "torch_npu is not installed (Ascend NPU support)"
+        return None
+
+    def forward(self, call: AttentionCall) -> torch.Tensor:
+        return fusion_attention(
+            call.query,
+            call.key,
+            call.value,
+            call.attn_mask,
+            call.dropout_p,
+            call.is_causal,
+            call.scale,
+            call.enable_gqa,
+        )

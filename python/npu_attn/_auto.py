@@ -1,0 +1,204 @@
+"""``auto``: the fastest strategy per attention shape on CPU, measured once and cached.
+
+The first call with a new shape (batch, heads, lengths, head dims, dtype, mask kind, causal)
+times the candidates (``tiled``, ``sdpa``, and ``vanilla`` where its score matrix is small) on
+the real tensors, interleaved, and keeps the fastest; under autograd the time is forward +
+backward, cached separately. The choice is kept in memory and in
+``$NPU_ATTN_CACHE_DIR/auto_strategy.json`` (default ``~/.cache/npu_attn``) under a fingerprint
+of this machine and software, and logged. On an Ascend NPU ``auto`` is ``npu``; on other
+accelerators ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import _runtime
+from ._backends import npu as npu_backend
+from ._backends.base import needs_grad
+
+logger = logging.getLogger("npu_attn")
+
+
+class AutoSelector:
+    """Picks the fastest strategy per attention shape on CPU by measuring it once.
+
+    The first call with a new shape (batch, heads, lengths, head dims, dtype, mask kind,
+    causal) times the candidates on the real tensors, interleaved, and keeps the fastest; the
+    choice is cached in memory and in ``$NPU_ATTN_CACHE_DIR/auto_strategy.json`` (default
+    ``~/.cache/npu_attn``) under a fingerprint of this machine and software, and logged.
+    """
+
+    repeats = 3
+
+    def __init__(self, runner: Callable[[str], Callable[..., torch.Tensor]]) -> None:
+        """``runner(name)`` gives the SDPA-signature function of strategy ``name`` (the
+        strategies layer passes its table, so measured and chosen calls are counted there)."""
+        self._runner = runner
+        self._lock = threading.Lock()
+        self._memory: dict[str, dict] = {}
+        self.measurements = 0  # how many shapes were measured (not served from cache)
+
+    # -- cache ---------------------------------------------------------------
+    @staticmethod
+    def cache_path() -> Path:
+        root = os.environ.get("NPU_ATTN_CACHE_DIR") or os.path.join(
+            os.path.expanduser("~"), ".cache", "npu_attn"
+        )
+        return Path(root) / "auto_strategy.json"
+
+    @staticmethod
+    def fingerprint() -> str:
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        cpu = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        from ._version import __version__
+
+        parts = [
+            cpu,
+            str(os.cpu_count()),
+            str(_runtime.get_num_threads()),
+            torch.__version__,
+            __version__,
+            _runtime.active_isa(),
+        ]
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+    def _load_disk(self) -> dict:
+        try:
+            return json.loads(self.cache_path().read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def _store_disk(self, key: str, entry: dict) -> None:
+        path = self.cache_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = self._load_disk()
+            data.setdefault(self.fingerprint(), {})[key] = entry
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only home must not break inference
+            logger.debug("npu_attn auto: cannot write %s: %s", path, e)
+
+    def cached_choice(self, key: str) -> Optional[dict]:
+        if key in self._memory:
+            return self._memory[key]
+        entry = self._load_disk().get(self.fingerprint(), {}).get(key)
+        if entry is not None:
+            self._memory[key] = entry
+        return entry
+
+    # -- measurement ----------------------------------------------------------
+    @staticmethod
+    def shape_key(query, key, value, attn_mask, is_causal, enable_gqa) -> str:
+        mask = "none" if attn_mask is None else f"{attn_mask.dtype}{tuple(attn_mask.shape)}"
+        return (
+            f"q{tuple(query.shape)} k{tuple(key.shape)} v{tuple(value.shape)} {query.dtype} "
+            f"mask={mask} causal={bool(is_causal)} gqa={bool(enable_gqa)}"
+        )
+
+    @staticmethod
+    def candidates(query, key) -> list[str]:
+        names = ["tiled", "sdpa"]
+        b_h = query.numel() // max(query.shape[-1], 1) // max(query.shape[-2], 1)
+        score_bytes = b_h * query.shape[-2] * key.shape[-2] * 4
+        if score_bytes <= 64 << 20:  # vanilla only where its score matrix is small
+            names.append("vanilla")
+        return names
+
+    def _forward_backward(self, name, args):
+        """One training step of candidate `name` on detached copies of the inputs (the caller's
+        graph is untouched): forward, then backward of the output's sum."""
+        leaves = [
+            t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in args[:4]
+        ]
+        out = self._runner(name)(*leaves, *args[4:])
+        out.sum().backward()
+
+    def _measure(self, args, training: bool = False) -> dict:
+        """Times every candidate, interleaved; under autograd a candidate's time is forward +
+        backward. Returns the choice, the medians and (inference only) the chosen output."""
+        names = self.candidates(args[0], args[1])
+        times: dict[str, list[float]] = {n: [] for n in names}
+        outputs = {}
+
+        def run(name):
+            if training:
+                self._forward_backward(name, args)
+            else:
+                outputs[name] = self._runner(name)(*args)
+
+        for name in names:  # warm-up (for inference also the result we return)
+            run(name)
+        for _ in range(self.repeats):
+            for name in names:  # interleaved: every candidate sees the same machine state
+                start = time.perf_counter()
+                run(name)
+                times[name].append(time.perf_counter() - start)
+        ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        choice = min(ms, key=ms.get)
+        output = self._runner(choice)(*args) if training else outputs[choice]
+        return {"choice": choice, "ms": ms, "_output": output}
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
+        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if query.device.type != "cpu":
+            name = "npu" if npu_backend.unavailable_reason(query.device.type) is None else "sdpa"
+            return self._runner(name)(*args)
+        if dropout_p > 0.0:
+            return self._runner("sdpa")(*args)  # the only candidates with dropout
+        training = needs_grad(query, key, value, attn_mask)
+        key_str = self.shape_key(query, key, value, attn_mask, is_causal, enable_gqa)
+        if training:  # chosen by forward + backward time, cached separately
+            key_str += " fwd+bwd"
+        entry = self.cached_choice(key_str)
+        if entry is not None:
+            return self._runner(entry["choice"])(*args)
+        with self._lock:  # one measurement at a time: concurrent timing would be meaningless
+            entry = self.cached_choice(key_str)
+            if entry is not None:
+                return self._runner(entry["choice"])(*args)
+            result = self._measure(args, training)
+            output = result.pop("_output")
+            self._memory[key_str] = result
+            self.measurements += 1
+            self._store_disk(key_str, result)
+        timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
+        logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
+        return output
+
+    def choices(self) -> dict[str, str]:
+        """Shape -> chosen strategy, for every shape measured or loaded in this process."""
+        return {k: v["choice"] for k, v in self._memory.items()}
