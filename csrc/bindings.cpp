@@ -312,7 +312,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dtype") = "float32", "The variant chosen by rule, before any measurement.");
   m.def("variants", &variant_table, "The compiled kernel variants (the C++ variant table).");
-  m.def("compiled_isas", [] { return isa_names(npu_attn::compiled_isas()); });
   m.def("runnable_isas", [] { return isa_names(npu_attn::runnable_isas()); });
   m.def("workspace_stats", [] {
     const auto s = npu_attn::workspace_stats();
@@ -322,7 +321,6 @@ PYBIND11_MODULE(_C, m) {
     d["allocations"] = s.total_allocations;
     return d;
   });
-  m.def("reset_workspace_peak", &npu_attn::workspace_reset_peak);
   m.def("cpu_info", [] {
     const npu_attn::CpuInfo c = npu_attn::query_cpu_info();
     py::dict d;

@@ -12,7 +12,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "demo", help="a diffusers pipeline under every attention strategy", add_help=False
     )
-    sub.add_parser("info", help="build information and the active kernel variant")
+    sub.add_parser(
+        "doctor",
+        help="check this installation: versions, devices, kernel variants, self-tests",
+        add_help=False,
+    )
+    sub.add_parser("info", help="build information and the kernel variant per dtype")
     sub.add_parser(
         "bench", help="benchmark every attention strategy on this machine", add_help=False
     )

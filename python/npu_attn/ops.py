@@ -13,7 +13,8 @@ causal flag, scale and GQA grouping.
 
 ``attention_backward`` is the same algorithm written with torch ops over query blocks. It is used
 where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
-kernel does not produce d(mask)), and float64 (for gradcheck). Tests check both against torch's
+kernel does not produce d(mask)) and higher-order gradients (below). It also computes in
+float64 when given float64, which the tests use for gradcheck; both are checked against torch's
 math backend in float64.
 
 Higher-order gradients (``create_graph=True``, e.g. gradient penalties): the kernel's gradients
@@ -260,10 +261,10 @@ def _backward(ctx, grad_out, grad_lse):
     higher_order = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (*args, grad_lse)
     )
-    if not ctx.mask_grad and query.dtype != torch.float64 and not higher_order:
+    if not ctx.mask_grad and not higher_order:
         grads = torch.ops.npu_attn.sdpa_backward(*args, grad_lse, *flags)
         return (*grads, None, None, None, None)
-    # The C++ kernel produces no d(mask), no float64 and no graph: the torch-ops routine does.
+    # The C++ kernel produces no d(mask) and no graph: the torch-ops routine does both.
     return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
 
 

@@ -37,7 +37,7 @@ LAYERS = [
     {"_auto", "strategies"},
     {"_redirect", "diffusers_integration"},
     {"device"},
-    {"doctor", "bench", "demo", "__main__", "__init__"},
+    {"doctor", "bench", "bench_report", "demo", "__main__", "__init__"},
 ]
 LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 

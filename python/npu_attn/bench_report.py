@@ -1,0 +1,131 @@
+"""The report of ``python -m npu_attn bench``: the Markdown table and the PNG plots.
+
+Kept apart from :mod:`npu_attn.bench`, which chooses the cases and times them: this module only
+turns a finished report (a dict, also written as JSON) into what people read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Optional
+
+COMPETITORS = ("vanilla", "sdpa", "tiled")
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _fmt_mem(b: Optional[int]) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def _time_cell(results: dict, name: str) -> str:
+    x = results[name]
+    if "median_ms" not in x:
+        return x.get("skipped", "-").replace("skipped: ", "")
+    return f"{x['median_ms']:.1f} [{x['min_ms']:.1f}-{x['max_ms']:.1f}]"
+
+
+def _variants_text(machine: dict) -> str:
+    """e.g. "float32 `avx512`, bfloat16 `amx_bf16` (measured 2026-11-22 on 2 threads)"."""
+    variants = machine.get("kernel_variants")
+    if not variants:  # reports written before variants were chosen per dtype
+        return f"`{machine['kernel_isa']}`"
+    parts = []
+    for dtype, v in variants.items():
+        names = sorted(set(v["choice"].values()))
+        parts.append(f"{dtype} `{'/'.join(names)}` ({v['source']})")
+    return ", ".join(parts)
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['threads']} threads for "
+        f"every competitor; npu_attn kernel variants {_variants_text(m)}; measured fp32 FMA peak "
+        f"{m['fma_peak_gflops']} GFLOP/s; torch {m['torch']} (CPU capability "
+        f"{m['torch_cpu_capability']}); {m['date']}.",
+        "",
+        "Times are medians of interleaved runs (min-max in brackets); speed-up is torch SDPA "
+        "time / npu_attn tiled time; memory is the peak RSS growth of one call in a fresh "
+        "process (inputs excluded, output included). % of peak is relative to the measured "
+        "float32 FMA peak, also for bfloat16 (AMX tiles can exceed it).",
+        "",
+        "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
+        "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["cases"]:
+        r = row["results"]
+        cell = functools.partial(_time_cell, r)
+        tiled = r["tiled"]
+        mem = row.get("memory", {})
+        lines.append(
+            f"| {row['case']} | {row['dims']} | {cell('vanilla')} | {cell('sdpa')} | "
+            f"{cell('tiled')} | {tiled.get('speedup_vs_sdpa', 0):.2f}x | "
+            f"{tiled['gflops']:.0f} | {tiled['pct_peak']:.0f}% | "
+            f"{_fmt_mem(mem.get('vanilla'))} / {_fmt_mem(mem.get('sdpa'))} / "
+            f"{_fmt_mem(mem.get('tiled'))} |"
+        )
+    s = report["summary"]
+    lines += [
+        "",
+        f"Geometric-mean speed-up of npu_attn tiled over torch SDPA on the named model shapes: "
+        f"**{s['geomean_speedup_models']:.2f}x** (slowest case {s['min_speedup_models']:.2f}x, "
+        f"{s['min_speedup_case']}).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["cases"] if r["group"] == "sweep"]
+    if not rows:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [int(r["dims"].split("Lq")[1].split()[0]) for r in rows]
+    written = []
+    for what, key, ylabel in (
+        ("time", "median_ms", "milliseconds per call"),
+        ("memory", None, "peak extra memory (MiB)"),
+    ):
+        if key is None and not any(r.get("memory") for r in rows):
+            continue  # --no-memory: nothing to plot
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in COMPETITORS:
+            xs, ys = [], []
+            for n, r in zip(lengths, rows):
+                if key is None:
+                    value = r.get("memory", {}).get(name)
+                    value = None if value is None else value / 2**20
+                else:
+                    value = r["results"][name].get(key)
+                if value is not None:
+                    xs.append(n)
+                    ys.append(value)
+            if xs:
+                ax.plot(xs, ys, marker="o", label={"tiled": "npu_attn tiled"}.get(name, name))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (B1 H8 D64 self-attention)")
+        ax.set_ylabel(ylabel)
+        m = report["machine"]
+        ax.set_title(f"{what}: {m['threads']} threads, {m['cpu'][:40]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        path = directory / f"bench_{what}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
