@@ -50,6 +50,7 @@ class AutoSelector:
         self._lock = threading.Lock()
         self._memory: dict[str, dict] = {}
         self.measurements = 0  # how many shapes were measured (not served from cache)
+        _SELECTORS[id(self)] = self  # traced calls name the selector by this constant
 
     # -- cache ---------------------------------------------------------------
     @staticmethod
@@ -111,12 +112,22 @@ class AutoSelector:
 
     # -- measurement ----------------------------------------------------------
     @staticmethod
-    def shape_key(query, key, value, attn_mask, is_causal, enable_gqa) -> str:
-        mask = "none" if attn_mask is None else f"{attn_mask.dtype}{tuple(attn_mask.shape)}"
-        return (
-            f"q{tuple(query.shape)} k{tuple(key.shape)} v{tuple(value.shape)} {query.dtype} "
-            f"mask={mask} causal={bool(is_causal)} gqa={bool(enable_gqa)}"
-        )
+    def spec(query, key, value, attn_mask, is_causal, enable_gqa) -> tuple:
+        """What the choice depends on, as plain Python values: shapes, dtype, mask kind,
+        causal, GQA. Under torch.compile these are constants of the traced graph."""
+        mask = None if attn_mask is None else (str(attn_mask.dtype), tuple(attn_mask.shape))
+        shapes = (tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        return (*shapes, str(query.dtype), mask, bool(is_causal), bool(enable_gqa))
+
+    @staticmethod
+    def key_of(spec: tuple) -> str:
+        q, k, v, dtype, mask, causal, gqa = spec
+        mask_text = "none" if mask is None else f"{mask[0]}{mask[1]}"
+        return f"q{q} k{k} v{v} {dtype} mask={mask_text} causal={causal} gqa={gqa}"
+
+    @classmethod
+    def shape_key(cls, query, key, value, attn_mask, is_causal, enable_gqa) -> str:
+        return cls.key_of(cls.spec(query, key, value, attn_mask, is_causal, enable_gqa))
 
     @staticmethod
     def candidates(query, key) -> list[str]:
@@ -180,6 +191,9 @@ class AutoSelector:
         if dropout_p > 0.0:
             return self._runner("sdpa")(*args)  # the only candidates with dropout
         training = needs_grad(query, key, value, attn_mask)
+        if torch.compiler.is_compiling():
+            spec = self.spec(query, key, value, attn_mask, is_causal, enable_gqa)
+            return self._runner(self._choice_while_tracing(spec, training))(*args)
         key_str = self.shape_key(query, key, value, attn_mask, is_causal, enable_gqa)
         if training:  # chosen by forward + backward time, cached separately
             key_str += " fwd+bwd"
@@ -199,6 +213,77 @@ class AutoSelector:
         logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
         return output
 
+    # -- torch.compile ----------------------------------------------------------
+    def _choice_while_tracing(self, spec: tuple, training: bool) -> str:
+        """The strategy for ``spec`` while torch.compile traces: shapes are known then, so the
+        per-shape choice is made now (from the cache, or measured on random tensors of those
+        shapes) and baked into the graph. Symbolic shapes (``dynamic=True``) cannot be
+        measured: they get ``tiled`` (exact on every shape), with a warning."""
+        shapes = spec[:3] + (() if spec[4] is None else (spec[4][1],))
+        if not all(isinstance(d, int) for shape in shapes for d in shape):
+            _warn_dynamic()
+            return "tiled"
+        return _resolve_traced_choice(id(self), spec, training)
+
+    def choose_for_spec(self, spec: tuple, training: bool) -> str:
+        """The cached choice for ``spec``, else measured now on random tensors of its shapes."""
+        key_str = self.key_of(spec) + (" fwd+bwd" if training else "")
+        entry = self.cached_choice(key_str)
+        if entry is not None:
+            return entry["choice"]
+        with self._lock:
+            entry = self.cached_choice(key_str)
+            if entry is not None:
+                return entry["choice"]
+            result = self._measure(_random_args(spec, training), training)
+            result.pop("_output")
+            self._memory[key_str] = result
+            self.measurements += 1
+            self._store_disk(key_str, result)
+        timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
+        logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
+        return result["choice"]
+
     def choices(self) -> dict[str, str]:
         """Shape -> chosen strategy, for every shape measured or loaded in this process."""
         return {k: v["choice"] for k, v in self._memory.items()}
+
+
+_SELECTORS: dict[int, AutoSelector] = {}  # by id, so a traced call can name one by a constant
+_dynamic_warned = False
+
+
+@torch.compiler.assume_constant_result
+def _resolve_traced_choice(selector_id: int, spec: tuple, training: bool) -> str:
+    """Runs while dynamo traces (its result becomes a constant of the graph): auto's choice for
+    one static attention shape."""
+    return _SELECTORS[selector_id].choose_for_spec(spec, training)
+
+
+def _random_args(spec: tuple, training: bool) -> tuple:
+    """Random SDPA arguments with ``spec``'s shapes and dtype, to measure the candidates on
+    while tracing (the traced tensors are fake)."""
+    q_shape, k_shape, v_shape, dtype_name, mask, causal, gqa = spec
+    dtype = getattr(torch, dtype_name.replace("torch.", ""))
+    q, k, v = (
+        torch.randn(shape, dtype=dtype).requires_grad_(training)
+        for shape in (q_shape, k_shape, v_shape)
+    )
+    attn_mask = None
+    if mask is not None:
+        mask_dtype = getattr(torch, mask[0].replace("torch.", ""))
+        if mask_dtype == torch.bool:
+            attn_mask = torch.ones(mask[1], dtype=torch.bool)
+        else:
+            attn_mask = torch.zeros(mask[1], dtype=mask_dtype)
+    return (q, k, v, attn_mask, 0.0, causal, None, gqa)
+
+
+def _warn_dynamic() -> None:
+    global _dynamic_warned
+    if not _dynamic_warned:
+        _dynamic_warned = True
+        logger.warning(
+            "npu_attn auto: torch.compile traced attention with symbolic shapes "
+            "(dynamic=True), which cannot be measured per shape; using 'tiled' for them"
+        )

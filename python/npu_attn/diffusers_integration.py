@@ -47,8 +47,7 @@ class _RoutesSdpa:
         self._sdpa = strategies.RUNNERS[strategy]
 
     def _run(self, *args, **kwargs):
-        with _redirect.redirected(self._sdpa):
-            return self.inner(*args, **kwargs)
+        return _redirect.call_routed(self._sdpa, self.inner, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"

@@ -369,8 +369,6 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
         chosen = _transform_backend(registry, transform, backend)
     else:
         chosen = registry.select(call, backend, None if backend else _default_backend())
-    if not torch.compiler.is_compiling():  # counting takes a lock, which dynamo cannot trace
-        _counts.count(chosen.name)
     if return_lse:
         out, lse = chosen.forward_with_lse(call)
     else:

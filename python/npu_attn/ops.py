@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
-from . import _C, _runtime, _variant_choice
+from . import _C, _counts, _runtime, _variant_choice
 
 _BLOCK_BYTES = 64 << 20
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -67,6 +67,7 @@ def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     # Python per tensor). Inputs are detached: DLPack refuses tensors that require grad, and
     # the kernel only reads them.
     _choose_variant(query.dtype)
+    _counts.count("tiled")  # here, where the kernel runs: counted in compiled graphs too
     _C.forward(
         to_dlpack(query.detach()),
         to_dlpack(key.detach()),

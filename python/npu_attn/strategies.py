@@ -27,7 +27,7 @@ from . import _counts
 from ._auto import AutoSelector
 from ._backends import npu as npu_backend
 from ._backends import registry
-from ._backends.base import AttentionCall
+from ._backends.base import AttentionCall, count_call
 from .functional import scaled_dot_product_attention as tiled_sdpa
 
 STRATEGIES = ("vanilla", "sdpa", "tiled", "npu", "auto")
@@ -47,7 +47,6 @@ def reset_call_counts() -> None:
 
 # --------------------------------------------------------------------------- strategy functions
 def _run_backend(name: str, args: tuple, kwargs: dict) -> torch.Tensor:
-    _counts.count(name)
     return registry.BY_NAME[name].forward(AttentionCall.of(*args, **kwargs))
 
 
@@ -89,10 +88,10 @@ def tiled_attention(*args, **kwargs) -> torch.Tensor:
         _warn_once(
             "tiled:" + reason, f"npu_attn 'tiled': {reason}; using torch SDPA for these calls"
         )
-        _counts.count("tiled->sdpa")
+        count_call("tiled->sdpa")
         return registry.BY_NAME["sdpa"].forward(call)
-    # Through the public function (which counts the call): autocast, broadcasting and
-    # transforms as torch does them.
+    # Through the public function: autocast, broadcasting and transforms as torch does them
+    # (the kernel counts the call where it runs).
     return tiled_sdpa(*call.sdpa_args(), backend="tiled")
 
 

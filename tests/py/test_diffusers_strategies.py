@@ -17,7 +17,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 import npu_attn
 from npu_attn import strategies
 from npu_attn._auto import AutoSelector
-from tiny_models import tiny_flux, tiny_hidream, tiny_sd3, tiny_unet, tiny_vae
+from tiny_models import FAMILIES, run_unet, tiny_unet, tiny_vae
 
 STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
 # Which implementation must have served the attention calls for each strategy.
@@ -40,78 +40,6 @@ def close(out, ref):
     tol = 1e-4 * max(1.0, float(ref.abs().max()))
     err = float((out - ref).abs().max())
     assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
-
-
-# --------------------------------------------------------------------------- tiny models
-def unet_inputs(masks: bool):
-    g = torch.Generator().manual_seed(1)
-    inputs = {
-        "sample": torch.randn(2, 4, 32, 32, generator=g),
-        "timestep": torch.tensor(10),
-        "encoder_hidden_states": torch.randn(2, 9, 8, generator=g),
-    }
-    if masks:
-        # Key padding on the text tokens (second prompt shorter), diffusers' 1 = keep.
-        inputs["encoder_attention_mask"] = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
-    return inputs
-
-
-def run_unet(model, masks=False, **kwargs):
-    return model(**unet_inputs(masks), **kwargs).sample
-
-
-def run_vae(model, masks=False):
-    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    return model(x).sample
-
-
-def run_sd3(model, masks=False):
-    g = torch.Generator().manual_seed(3)
-    return model(
-        hidden_states=torch.randn(2, 4, 16, 16, generator=g),
-        encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
-        pooled_projections=torch.randn(2, 64, generator=g),
-        timestep=torch.tensor([1, 2]),
-    ).sample
-
-
-def run_flux(model, masks=False):
-    g = torch.Generator().manual_seed(4)
-    b, h, w, t = 2, 8, 8, 7
-    kwargs = {}
-    if masks:  # joint (text + image) sequence mask: hide the last two text tokens of sample 1
-        keep = torch.ones(b, t + h * w, dtype=torch.bool)
-        keep[1, t - 2 : t] = False
-        kwargs["joint_attention_kwargs"] = {"attention_mask": keep[:, None, None, :]}
-    return model(
-        hidden_states=torch.randn(b, h * w, 4, generator=g),
-        encoder_hidden_states=torch.randn(b, t, 32, generator=g),
-        pooled_projections=torch.randn(b, 32, generator=g),
-        timestep=torch.tensor([0.5, 0.5]),
-        img_ids=torch.randn(h * w, 3, generator=g),
-        txt_ids=torch.zeros(t, 3),
-        **kwargs,
-    ).sample
-
-
-def run_hidream(model, masks=False):
-    g = torch.Generator().manual_seed(5)
-    return model(
-        hidden_states=torch.randn(2, 4, 16, 16, generator=g),
-        timesteps=torch.tensor([10, 20]),
-        encoder_hidden_states_t5=torch.randn(2, 6, 8, generator=g),
-        encoder_hidden_states_llama3=torch.randn(2, 2, 5, 4, generator=g),
-        pooled_embeds=torch.randn(2, 8, generator=g),
-    ).sample
-
-
-FAMILIES = {
-    "unet": (tiny_unet, run_unet, True),
-    "vae": (tiny_vae, run_vae, False),
-    "sd3": (tiny_sd3, run_sd3, False),
-    "flux": (tiny_flux, run_flux, True),
-    "hidream": (tiny_hidream, run_hidream, False),
-}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -17,8 +17,18 @@ from typing import ClassVar, Optional
 
 import torch
 
+from .. import _counts
+
 ANY_DEVICE = "*"
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def count_call(name: str) -> None:
+    """Count one call served by backend ``name`` (``npu_attn.call_counts``). Not while
+    torch.compile traces: traced code runs once and the graph many times, so only npu_attn's
+    own op counts itself there, when it runs (``ops.forward_cpu``)."""
+    if not torch.compiler.is_compiling():
+        _counts.count(name)
 
 
 def needs_grad(*tensors) -> bool:

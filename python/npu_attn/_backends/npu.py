@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .base import AttentionCall, Backend
+from .base import AttentionCall, Backend, count_call
 from .torch_sdpa import call_original
 
 
@@ -97,6 +97,7 @@ class NpuBackend(Backend):
         return None
 
     def forward(self, call: AttentionCall) -> torch.Tensor:
+        count_call(self.name)
         return fusion_attention(
             call.query,
             call.key,

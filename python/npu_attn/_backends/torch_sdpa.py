@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import ANY_DEVICE, FLOATS, AttentionCall, Backend
+from .base import ANY_DEVICE, FLOATS, AttentionCall, Backend, count_call
 
 # torch's function, captured when npu_attn is first imported (before the shim exists).
 ORIGINAL_SDPA = F.scaled_dot_product_attention
@@ -60,6 +60,7 @@ class TorchSdpaBackend(Backend):
     supports_dropout = True
 
     def forward(self, call: AttentionCall) -> torch.Tensor:
+        count_call(self.name)
         mask, causal = torch_mask(call)
         return call_original(
             call.query,

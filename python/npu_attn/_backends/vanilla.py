@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ANY_DEVICE, FLOATS, AttentionCall, Backend
+from .base import ANY_DEVICE, FLOATS, AttentionCall, Backend, count_call
 
 
 def vanilla_attention(call: AttentionCall) -> torch.Tensor:
@@ -45,4 +45,5 @@ class VanillaBackend(Backend):
     supports_dropout = True
 
     def forward(self, call: AttentionCall) -> torch.Tensor:
+        count_call(self.name)
         return vanilla_attention(call)
