@@ -20,7 +20,6 @@ processor objects are remembered on first use and restored exactly by
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from typing import Any, Optional
 
@@ -106,7 +105,11 @@ def _wrapper_class(inner_cls: type) -> type:
     def __call__(self, *args, **kwargs):
         return self._run(*args, **kwargs)
 
-    __call__.__signature__ = inspect.signature(inner_cls.__call__)
+    # inspect.signature follows __wrapped__ to the inner processor's own __call__, which dynamo
+    # traces like the unswitched model (a precomputed __signature__ object made dynamo break the
+    # graph on its mappingproxy when Flux checks its processor's parameters).
+    functools.update_wrapper(__call__, inner_cls.__call__, assigned=("__module__", "__qualname__"))
+    __call__.__wrapped__ = inner_cls.__call__
     __call__.__doc__ = f"{inner_cls.__name__}.__call__ with SDPA routed to the strategy."
     return type(f"Npu{inner_cls.__name__}", (base,), {"__call__": __call__, "_wraps": inner_cls})
 

@@ -35,7 +35,7 @@ LAYERS = [
     },
     {"functional"},
     {"_auto", "strategies"},
-    {"_redirect", "diffusers_integration"},
+    {"_redirect", "diffusers_integration", "graph_mode"},
     {"device"},
     {"doctor", "bench", "bench_report", "demo", "__main__", "__init__"},
 ]

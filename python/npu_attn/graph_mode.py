@@ -1,0 +1,176 @@
+"""Graph mode: ``torch.compile`` with the chosen attention strategy inside the compiled graph.
+
+``set_attention_strategy(model, s)`` followed by ``torch.compile(model)`` (or
+``model.compile()``) compiles the chosen strategy into the graph: ``tiled`` appears as the
+registered op ``torch.ops.npu_attn.sdpa_forward``, ``sdpa`` and ``vanilla`` as the torch ops they
+are, and ``auto`` is resolved per attention shape while tracing (shapes are known then) and
+baked in. Switching the strategy after compiling replaces the processors, which dynamo guards
+on, so the next call recompiles with the new strategy (never a stale graph).
+
+:func:`compile` does the whole job for a pipeline: switch the strategy, compile the components
+that benefit (the UNet or transformer, the VAE decoder, optionally the text encoders), report
+progress while the first call compiles and one line with the time it took; :func:`reset_compile`
+puts the eager modules back.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+from .diffusers_integration import set_attention_strategy
+
+__all__ = ["compile", "compiled_components", "reset_compile"]
+
+_COMPILED_ATTR = "_npu_attn_compiled"
+DENOISERS = ("unet", "transformer", "prior")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+
+
+class _TimedFirstCall:
+    """The compiled call of one module; its first call (where dynamo and inductor compile)
+    shows a progress line with the elapsed time, then one line with the total."""
+
+    def __init__(self, compiled, name: str, show_progress: bool) -> None:
+        self.compiled = compiled
+        self.name = name
+        self.show_progress = show_progress
+        self.first_call_seconds: Optional[float] = None
+
+    def __call__(self, *args, **kwargs):
+        if self.first_call_seconds is not None:
+            return self.compiled(*args, **kwargs)
+        done = threading.Event()
+        start = time.perf_counter()
+        ticker = None
+        if self.show_progress:
+            ticker = threading.Thread(target=self._tick, args=(start, done), daemon=True)
+            ticker.start()
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            done.set()
+            if ticker is not None:
+                ticker.join()
+            self.first_call_seconds = time.perf_counter() - start
+            if self.show_progress:
+                print(
+                    f"npu_attn.compile: {self.name} compiled in {self.first_call_seconds:.1f} s "
+                    "(its first call, including running it once)",
+                    file=sys.stderr,
+                )
+
+    def _tick(self, start: float, done: threading.Event) -> None:
+        from tqdm import tqdm
+
+        with tqdm(
+            desc=f"npu_attn.compile: compiling {self.name}",
+            bar_format="{desc}: {elapsed}",
+            file=sys.stderr,
+            leave=False,
+        ) as bar:
+            while not done.wait(0.5):
+                bar.refresh()
+
+
+def _components(target: Any, text_encoder: bool) -> dict[str, torch.nn.Module]:
+    """The modules worth compiling: a model itself, or a pipeline's denoiser, VAE decoder and
+    (if asked) text encoders."""
+    if isinstance(target, torch.nn.Module):
+        return {type(target).__name__: target}
+    components = getattr(target, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(
+            "target must be a diffusers pipeline or a torch.nn.Module, got "
+            f"{type(target).__name__}"
+        )
+    chosen = {}
+    for name in DENOISERS:
+        if isinstance(components.get(name), torch.nn.Module):
+            chosen[name] = components[name]
+    vae = components.get("vae")
+    if isinstance(getattr(vae, "decoder", None), torch.nn.Module):
+        chosen["vae.decoder"] = vae.decoder
+    if text_encoder:
+        for name in TEXT_ENCODERS:
+            if isinstance(components.get(name), torch.nn.Module):
+                chosen[name] = components[name]
+    if not chosen:
+        raise ValueError(f"{type(target).__name__} has no UNet, transformer or VAE to compile")
+    return chosen
+
+
+def compile(
+    target: Any,
+    strategy: Optional[str] = "auto",
+    *,
+    mode: Optional[str] = None,
+    dynamic: Optional[bool] = None,
+    fullgraph: bool = False,
+    backend: str = "inductor",
+    text_encoder: bool = False,
+    show_progress: bool = True,
+) -> dict[str, str]:
+    """Switch ``target`` to ``strategy`` and compile what benefits, in place.
+
+    Args:
+        target: a diffusers pipeline (its UNet or transformer and VAE decoder are compiled) or a
+            single model.
+        strategy: the attention strategy to compile in (``"auto"``, ``"tiled"``, ``"sdpa"``,
+            ``"vanilla"``, ``"npu"``); ``None`` keeps the processors as they are.
+        mode, dynamic, fullgraph, backend: passed to :func:`torch.compile`.
+        text_encoder: also compile the text encoders (their attention is not switched; they
+            rarely dominate a diffusion step).
+        show_progress: show the elapsed time while each component's first call compiles, and
+            one line with the time it took.
+
+    Returns:
+        The compiled components and the strategy applied, e.g.
+        ``{"unet": "auto", "vae.decoder": "auto"}``.
+
+    Compilation happens on the first call of each component (the first denoising step and the
+    first decode). :func:`reset_compile` restores the eager modules.
+    """
+    components = _components(target, text_encoder)
+    applied = "unchanged"
+    if strategy is not None:
+        applied = set_attention_strategy(target, strategy)
+    compiled = getattr(target, _COMPILED_ATTR, None) or {}
+    for name, module in components.items():
+        call = torch.compile(
+            module._call_impl,
+            mode=mode,
+            dynamic=dynamic,
+            fullgraph=fullgraph,
+            backend=backend,
+        )
+        # What nn.Module.compile() does, with the first call timed around the compiled call.
+        module._compiled_call_impl = _TimedFirstCall(call, name, show_progress)
+        compiled[name] = module
+    object.__setattr__(target, _COMPILED_ATTR, compiled)
+    return {name: applied for name in components}
+
+
+def compiled_components(target: Any) -> dict[str, Optional[float]]:
+    """The components :func:`compile` compiled, with their first call's seconds (None: not
+    called yet)."""
+    compiled = getattr(target, _COMPILED_ATTR, None) or {}
+    return {
+        name: getattr(module._compiled_call_impl, "first_call_seconds", None)
+        for name, module in compiled.items()
+    }
+
+
+def reset_compile(target: Any) -> None:
+    """Put back the eager modules :func:`compile` compiled (the attention strategy stays; see
+    :func:`npu_attn.reset_attention_strategy`)."""
+    compiled = getattr(target, _COMPILED_ATTR, None)
+    if not compiled:
+        return
+    for module in compiled.values():
+        module._compiled_call_impl = None
+    object.__delattr__(target, _COMPILED_ATTR)
