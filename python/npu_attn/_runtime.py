@@ -95,7 +95,10 @@ def set_isa(name: Optional[str]) -> None:
 def build_info() -> dict:
     """Compiler, OpenMP, Eigen and DLPack versions and the compiled kernel variants."""
     info = dict(_C.build_info())
-    info["active_isa"] = {dtype: _C.active_isa(dtype) for dtype in _variant_choice.DTYPES}
+    # the variants that will run (measured or loaded from the cache now, if not yet)
+    info["active_isa"] = {
+        dtype: entry["choice"]["self-attention"] for dtype, entry in kernel_variants().items()
+    }
     info["runnable_isas"] = available_isas()
     return info
 

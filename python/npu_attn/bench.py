@@ -319,6 +319,11 @@ def run(args) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--e2e" in argv:  # the end-to-end section has its own options (bench_e2e.py)
+        from .bench_e2e import main as e2e_main
+
+        return e2e_main([a for a in argv if a != "--e2e"])
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn bench",
         description=__doc__,

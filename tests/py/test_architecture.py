@@ -35,9 +35,16 @@ LAYERS = [
     },
     {"functional"},
     {"_auto", "strategies"},
-    {"_redirect", "diffusers_integration", "graph_mode"},
+    {
+        "_redirect",
+        "diffusers_integration",
+        "graph_mode",
+        "token_merging",
+        "deep_cache",
+        "acceleration",
+    },
     {"device"},
-    {"doctor", "bench", "bench_report", "demo", "__main__", "__init__"},
+    {"doctor", "bench", "bench_e2e", "bench_report", "demo", "__main__", "__init__"},
 ]
 LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
