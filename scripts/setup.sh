@@ -27,6 +27,11 @@ fi
 echo "==> installing Python dependencies (requirements-dev.txt)"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt \
   "cmake>=3.20,<5" "ninja>=1.11,<2" 2>&1 | grep -v "^WARNING: Location" || true
+# Test-only references Token Merging and DeepCache are compared against. Their metadata would
+# pull other torch/diffusers versions, so they are installed without dependencies (theirs are
+# already pinned above).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "tomesd==0.1.3" \
+  "DeepCache==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 echo "==> building and installing npu_attn"

@@ -25,6 +25,9 @@ from .functional import scaled_dot_product_attention
 # The diffusers integration needs torch; import it on first use so that NumPy-only users of the
 # kernel do not pay for (or need) torch.
 _LAZY = {
+    "accelerate": "acceleration",
+    "acceleration_of": "acceleration",
+    "reset_acceleration": "acceleration",
     "set_attention_strategy": "diffusers_integration",
     "reset_attention_strategy": "diffusers_integration",
     "default_strategy": "_config",
@@ -54,6 +57,8 @@ __all__ = [
     "STRATEGIES",
     "DeviceManager",
     "__version__",
+    "accelerate",
+    "acceleration_of",
     "active_isa",
     "attention_strategy_of",
     "auto_selector",
@@ -66,6 +71,7 @@ __all__ = [
     "default_strategy",
     "get_num_threads",
     "kernel_variants",
+    "reset_acceleration",
     "reset_attention_strategy",
     "reset_call_counts",
     "reset_compile",

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .bench_report import COMPETITORS, geomean, markdown, plot
+from .bench_report import COMPETITORS, geomean, machine_info, markdown, plot
 
 # Above this many bytes for one materialised score matrix, vanilla is skipped (it needs about
 # three such buffers: scores, probabilities, and the softmax temporaries).
@@ -209,41 +206,6 @@ def measure_memory(case: Case, name: str, threads: int) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- machine
-def machine_info(threads: int) -> dict:
-    import torch
-
-    from . import _C, _runtime
-    from ._version import __version__
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                cpu,
-            )
-    except OSError:
-        pass
-    isa = _runtime.active_isa("float32")
-    variants = _runtime.kernel_variants()
-    return {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "threads": threads,
-        "kernel_isa": isa,
-        # which variant runs each dtype and shape class, and why (measured / forced)
-        "kernel_variants": {
-            dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
-        },
-        "fma_peak_gflops": round(_C.fma_peak_gflops(isa, threads, 0.5), 1),
-        "torch": torch.__version__,
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "npu_attn": __version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 # --------------------------------------------------------------------------- run + report
 def summarise(case: Case, times: dict[str, list[float]], peak: float) -> dict:
     row = {"case": case.name, "group": case.group, "dims": case.dims, "results": {}}

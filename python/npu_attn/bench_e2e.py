@@ -110,7 +110,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from . import _runtime
-    from .bench import machine_info
+    from .bench_report import machine_info
 
     dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()

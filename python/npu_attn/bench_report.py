@@ -1,4 +1,5 @@
-"""The report of ``python -m npu_attn bench``: the Markdown table and the PNG plots.
+"""The report of ``python -m npu_attn bench``: the machine it ran on, the Markdown table and the
+PNG plots.
 
 Kept apart from :mod:`npu_attn.bench`, which chooses the cases and times them: this module only
 turns a finished report (a dict, also written as JSON) into what people read.
@@ -6,12 +7,50 @@ turns a finished report (a dict, also written as JSON) into what people read.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
+import os
+import platform
 from pathlib import Path
 from typing import Optional
 
 COMPETITORS = ("vanilla", "sdpa", "tiled")
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+
+    from . import _C, _runtime
+    from ._version import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                cpu,
+            )
+    except OSError:
+        pass
+    isa = _runtime.active_isa("float32")
+    variants = _runtime.kernel_variants()
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "kernel_isa": isa,
+        # which variant runs each dtype and shape class, and why (measured / forced)
+        "kernel_variants": {
+            dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
+        },
+        "fma_peak_gflops": round(_C.fma_peak_gflops(isa, threads, 0.5), 1),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "npu_attn": __version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def geomean(values) -> float:

@@ -295,6 +295,20 @@ def run_auto(pipe, args, embeds, dm) -> tuple[RunResult, AutoCost]:
     return steady, cost
 
 
+def run_accelerated(pipe, args, embeds, dm) -> RunResult:
+    """``auto`` with the step accelerations asked for (--tome, --deepcache), then undone: its
+    accuracy columns show what the lossy methods cost against the exact ``sdpa`` run."""
+    from .acceleration import accelerate, reset_acceleration
+
+    applied = accelerate(pipe, token_merging=args.tome, deep_cache=args.deepcache)
+    names = {"token_merging": f"ToMe {args.tome}", "deep_cache": f"DeepCache {args.deepcache}"}
+    label = "auto + " + " + ".join(names[m] for m in applied)
+    try:
+        return run_strategy(pipe, "auto", args, embeds, dm, label=label)
+    finally:
+        reset_acceleration(pipe)
+
+
 def float32_reference(pipe, args, embeds, dm) -> RunResult:
     """The ``sdpa`` run again in float32, same weights and inputs (upcast, so they are exactly
     the 16-bit ones): its distance from the 16-bit ``sdpa`` run is the dtype's rounding."""
@@ -550,6 +564,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--tome",
+        type=float,
+        metavar="RATIO",
+        help="also run auto with Token Merging at this ratio (lossy; e.g. 0.5)",
+    )
+    parser.add_argument(
+        "--deepcache",
+        type=int,
+        metavar="N",
+        help="also run auto with DeepCache, a full UNet every N steps (lossy; e.g. 3)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("npu_attn_out/demo"),
@@ -609,6 +635,8 @@ def run(args) -> int:
     results = [run_strategy(pipe, name, args, embeds, dm) for name in names]
     reference = next(r for r in results if r.strategy == "sdpa")
     rows = results + [auto]
+    if args.tome is not None or args.deepcache is not None:
+        rows.append(run_accelerated(pipe, args, embeds, dm))
     if dm.dtype in (torch.float16, torch.bfloat16):
         rows.append(float32_reference(pipe, args, embeds, dm))
     title = f"{source.split(',')[0]} {args.size}px, {dtype}, {args.steps} steps, {threads} threads"

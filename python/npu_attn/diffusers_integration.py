@@ -27,6 +27,7 @@ import torch
 
 from . import _config, _redirect, strategies
 from ._config import default_strategy
+from .acceleration import accelerate_from_environment
 
 logger = logging.getLogger("npu_attn")
 
@@ -239,6 +240,9 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
             logger.info("npu_attn: %s: %d attention processors -> %s", name, count, resolved)
     if not applied:
         raise ValueError(f"{type(target).__name__} has no attention modules to switch")
+    # NPU_ATTN_TOME / NPU_ATTN_DEEPCACHE: the step accelerations, for scripts that only switch
+    # attention (nothing happens when neither is set; lossy methods are never on by default).
+    accelerate_from_environment(target)
     return applied[0] if len(set(applied)) == 1 else ",".join(sorted(set(applied)))
 
 

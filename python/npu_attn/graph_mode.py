@@ -136,6 +136,15 @@ def compile(
     first decode). :func:`reset_compile` restores the eager modules.
     """
     components = _components(target, text_encoder)
+    if fullgraph:
+        from .acceleration import acceleration_of
+
+        if acceleration_of(target):
+            raise ValueError(
+                "fullgraph=True cannot trace Token Merging's random destination draw or "
+                "DeepCache's step lookup (both break the graph); use fullgraph=False or "
+                "npu_attn.reset_acceleration(target) first"
+            )
     applied = "unchanged"
     if strategy is not None:
         applied = set_attention_strategy(target, strategy)

@@ -161,3 +161,27 @@ def test_demo_refuses_a_folder_that_is_not_a_diffusers_model(tmp_path):
     result = run_demo(tmp_path, "--weights", str(tmp_path / "notamodel"))
     assert result.returncode == 2
     assert "is not a diffusers model folder: no model_index.json" in result.stderr
+
+
+def test_demo_runs_auto_with_token_merging_and_deepcache_as_a_separate_row(tmp_path):
+    result = run_demo(
+        tmp_path,
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--strategies",
+        "sdpa",
+        "--tome",
+        "0.5",
+        "--deepcache",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = table_rows(result.stdout)
+    accelerated = rows["auto + ToMe 0.5 + DeepCache 2"]
+    # lossy: a real deviation from the exact sdpa run, while the exact rows stay exact
+    assert float(accelerated[3]) > 1e-4
+    assert float(rows["auto (steady state)"][3]) < 1e-4

@@ -29,6 +29,8 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("NPU_ATTN_STRATEGY", raising=False)
     monkeypatch.delenv("DIFFUSERS_ATTENTION_TYPE", raising=False)
+    monkeypatch.delenv("NPU_ATTN_TOME", raising=False)
+    monkeypatch.delenv("NPU_ATTN_DEEPCACHE", raising=False)
     strategies.auto_selector._memory.clear()
     npu_attn.reset_attention_strategy(None)
     strategies.reset_call_counts()

@@ -1,0 +1,188 @@
+"""``accelerate``: Token Merging and DeepCache for a pipeline in one call, undone by one call.
+
+Both methods trade quality for speed, so neither is ever enabled by default: only an explicit
+option or environment variable turns one on. They compose with every attention strategy and
+with each other: Token Merging hooks the UNet's transformer blocks (:mod:`.token_merging`),
+DeepCache gives its blocks a caching ``forward`` (:mod:`.deep_cache`), attention strategies
+replace attention *processors*; each undo removes only its own changes.
+
+Environment (for scripts that should benefit unchanged; read by ``accelerate(pipe)`` without
+options):
+
+- ``NPU_ATTN_TOME=0.5``: Token Merging with this ratio (tomesd's other defaults).
+- ``NPU_ATTN_DEEPCACHE=3``: DeepCache with this cache interval (branch 0).
+
+Under ``torch.compile`` (``npu_attn.compile`` or ``torch.compile(pipe.unet)``) both run with the
+default ``fullgraph=False``: Token Merging's hooks trace into the graph with a break at its
+seeded random draw, DeepCache breaks the graph at its step lookup and recompiles for skipped
+steps. ``fullgraph=True`` cannot trace either and raises dynamo's ``Unsupported`` error.
+
+A variable that does not apply to the pipeline's model family (e.g. ``NPU_ATTN_TOME`` for a
+Flux pipeline) is skipped with a warning, so one environment can serve every script; the same
+option passed explicitly raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+from . import deep_cache as _deep_cache
+from . import token_merging as _token_merging
+from .token_merging import ModelFamilyError
+
+logger = logging.getLogger("npu_attn")
+
+__all__ = [
+    "ENVIRONMENT",
+    "METHODS",
+    "ModelFamilyError",
+    "accelerate",
+    "accelerate_from_environment",
+    "acceleration_of",
+    "environment_options",
+    "reset_acceleration",
+]
+
+METHODS = ("token_merging", "deep_cache")
+ENVIRONMENT = {"token_merging": "NPU_ATTN_TOME", "deep_cache": "NPU_ATTN_DEEPCACHE"}
+
+_CHECK: dict[str, Callable[[Any, Any], Any]] = {
+    "token_merging": _token_merging.check_token_merging,
+    "deep_cache": _deep_cache.check_deep_cache,
+}
+_APPLY: dict[str, Callable[[Any, Any], Any]] = {
+    "token_merging": _token_merging.apply_token_merging,
+    "deep_cache": _deep_cache.apply_deep_cache,
+}
+_REMOVE: dict[str, Callable[[Any], bool]] = {
+    "token_merging": _token_merging.remove_token_merging,
+    "deep_cache": _deep_cache.remove_deep_cache,
+}
+
+
+def environment_options() -> dict[str, Any]:
+    """The methods the environment asks for: ``{"token_merging": 0.5, "deep_cache": 3}``.
+
+    Raises:
+        ValueError: a variable that is set but not a number of the right kind.
+    """
+    options: dict[str, Any] = {}
+    ratio = os.environ.get(ENVIRONMENT["token_merging"], "").strip()
+    if ratio:
+        try:
+            options["token_merging"] = float(ratio)
+        except ValueError:
+            raise ValueError(
+                f"{ENVIRONMENT['token_merging']} must be a token-merging ratio in [0, 1), "
+                f"got {ratio!r}"
+            ) from None
+    interval = os.environ.get(ENVIRONMENT["deep_cache"], "").strip()
+    if interval:
+        try:
+            options["deep_cache"] = int(interval)
+        except ValueError:
+            raise ValueError(
+                f"{ENVIRONMENT['deep_cache']} must be a DeepCache interval (an int >= 1), "
+                f"got {interval!r}"
+            ) from None
+    return options
+
+
+def _checked_environment_options(target: Any) -> dict[str, Any]:
+    """The environment's options that apply to ``target``; the others are skipped with a
+    warning (a bad value still raises: it is a typo, not a model mismatch)."""
+    checked = {}
+    for method, value in environment_options().items():
+        variable = f"{ENVIRONMENT[method]}={os.environ[ENVIRONMENT[method]].strip()}"
+        try:
+            checked[method] = _CHECK[method](target, value)
+        except ModelFamilyError as error:
+            logger.warning(
+                "npu_attn: %s ignored for %s: %s", variable, type(target).__name__, error
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{variable}: {error}") from None
+    return checked
+
+
+def accelerate(
+    target: Any,
+    *,
+    token_merging: Any = None,
+    deep_cache: Any = None,
+    **unknown: Any,
+) -> dict[str, dict[str, Any]]:
+    """Enable Token Merging and/or DeepCache on a pipeline (each replaces an earlier setting).
+
+    Args:
+        target: a diffusers pipeline (Token Merging also takes a ``UNet2DConditionModel``).
+        token_merging: a ratio in [0, 1) (0 is exact), or a dict of
+            :class:`~npu_attn.token_merging.TokenMergingOptions` fields (``ratio``,
+            ``max_downsample``, ``sx``, ``sy``, ``use_rand``, ``merge_attn``,
+            ``merge_crossattn``, ``merge_mlp``, ``seed``). UNet models (SD-1.5/2.1, SDXL).
+        deep_cache: a cache interval >= 1 (1 is exact), or a dict with ``cache_interval`` and
+            ``cache_branch_id``, for UNet pipelines; for transformer models with diffusers'
+            cache hooks, one of diffusers' cache configs (e.g. ``FirstBlockCacheConfig``).
+        unknown: anything else raises ``TypeError``.
+
+    With neither option, the environment decides (``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``);
+    unset, nothing changes. ``None`` leaves a method as it is.
+
+    Returns:
+        What was applied, per method, e.g. ``{"token_merging": {"ratio": 0.5, ...,
+        "blocks": 16}, "deep_cache": {"cache_interval": 3, "cache_branch_id": 0, ...}}``.
+
+    Raises:
+        TypeError, ValueError: an unknown or invalid option, or a method that does not apply
+            to this model family. Everything is validated before anything changes.
+    """
+    if unknown:
+        raise TypeError(
+            f"accelerate got unknown options {sorted(unknown)}; valid: {', '.join(METHODS)}"
+        )
+    requested = {"token_merging": token_merging, "deep_cache": deep_cache}
+    requested = {method: value for method, value in requested.items() if value is not None}
+    if requested:
+        checked = {method: _CHECK[method](target, value) for method, value in requested.items()}
+    else:
+        checked = _checked_environment_options(target)
+    applied = {method: _APPLY[method](target, options) for method, options in checked.items()}
+    for method, settings in applied.items():
+        logger.info("npu_attn: %s: %s -> %s", type(target).__name__, method, settings)
+    return applied
+
+
+def accelerate_from_environment(target: Any) -> dict[str, dict[str, Any]]:
+    """What ``set_attention_strategy`` (or any entry point) calls so that scripts benefit
+    unchanged: :func:`accelerate` with the environment's options; returns at once, changing
+    nothing, when neither ``NPU_ATTN_TOME`` nor ``NPU_ATTN_DEEPCACHE`` is set."""
+    if not any(os.environ.get(variable, "").strip() for variable in ENVIRONMENT.values()):
+        return {}
+    return accelerate(target)
+
+
+def reset_acceleration(target: Any, method: Optional[str] = None) -> list[str]:
+    """Remove what :func:`accelerate` applied (``method``: only ``"token_merging"`` or
+    ``"deep_cache"``); the original modules and ``forward`` methods run again, the attention
+    strategy stays. Returns the methods that were removed."""
+    if method is not None and method not in METHODS:
+        raise ValueError(f"reset_acceleration method must be one of {METHODS}, got {method!r}")
+    removed = []
+    for name in METHODS if method is None else (method,):
+        try:
+            if _REMOVE[name](target):
+                removed.append(name)
+        except ModelFamilyError:  # the method cannot apply to the target, so it is not applied
+            continue
+    return removed
+
+
+def acceleration_of(target: Any) -> dict[str, dict[str, Any]]:
+    """The methods currently applied to a pipeline (or UNet) and their settings."""
+    found = {
+        "token_merging": _token_merging.token_merging_of(target),
+        "deep_cache": _deep_cache.deep_cache_of(target),
+    }
+    return {method: settings for method, settings in found.items() if settings is not None}

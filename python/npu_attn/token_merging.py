@@ -1,0 +1,418 @@
+"""Token Merging (ToMe) for Stable Diffusion UNets: the tomesd algorithm, attached with hooks.
+
+The algorithm is tomesd's (Bolya & Hoffman, "Token Merging for Fast Stable Diffusion", 2023;
+``tomesd`` 0.1.3): in each ``BasicTransformerBlock`` whose resolution qualifies, the image tokens
+are split into destinations (one per ``sx x sy`` cell, chosen at random from a seeded generator)
+and sources; each source is matched to its most similar destination by cosine similarity of the
+block's input tokens, the ``ratio * N`` best-matched sources are averaged into their
+destinations before self-attention (and optionally cross-attention and the MLP), and the output
+is unmerged by copying each destination's result back to the sources merged into it. The same
+torch operations in the same order as tomesd, so the output equals tomesd's (tested).
+
+Placement. tomesd merges only where the latent is not downsampled (``max_downsample=1``: the
+highest-resolution transformer blocks, where attention is most expensive and merging hurts
+least). SDXL has no transformer blocks at full resolution, so npu_attn's default
+(``max_downsample=None``) means "the highest resolution that has transformer blocks": 1 for
+SD-1.5/2.1 (exactly tomesd's default), 2 for SDXL. Pass an int to choose yourself.
+
+Unlike tomesd, which swaps the blocks' classes for a copy of an older diffusers
+``BasicTransformerBlock.forward``, npu_attn leaves diffusers' code untouched: a forward
+pre-hook on each block computes the merge from the block's input, and hooks on ``attn1`` /
+``attn2`` / ``ff`` merge their input and unmerge their output. Nothing else changes (the module
+tree, state_dict keys and attention processors stay as they are, so every attention strategy
+composes), and :func:`remove_token_merging` removes exactly those hooks.
+
+ToMe is lossy: it is never enabled unless asked for (``ratio=0`` is exact: nothing merges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = [
+    "ModelFamilyError",
+    "TokenMergingOptions",
+    "apply_token_merging",
+    "bipartite_soft_matching_random2d",
+    "check_token_merging",
+    "remove_token_merging",
+    "token_merging_of",
+]
+
+_STATE_ATTR = "_npu_attn_token_merging"
+
+
+class ModelFamilyError(ValueError):
+    """An acceleration method that does not apply to this model family (e.g. Token Merging on
+    a Flux transformer). Environment-requested methods are skipped on it, explicit ones raise."""
+
+
+Merge = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class TokenMergingOptions:
+    """tomesd's options (same names and meaning), plus ``seed`` for the destination choice.
+
+    Attributes:
+        ratio: fraction of a block's tokens removed by merging, in [0, 1) (tomesd caps it at
+            ``1 - 1/(sx*sy)``, 0.75 by default; 0.5 or less is recommended).
+        max_downsample: merge in blocks whose resolution is downsampled at most this much (1,
+            2, 4 or 8); ``None``: the highest resolution that has transformer blocks.
+        sx, sy: the destination grid's stride in x and y.
+        use_rand: choose each cell's destination at random (else its top-left token); off
+            for odd batch sizes, as in tomesd.
+        merge_attn, merge_crossattn, merge_mlp: merge before self-attention (recommended),
+            cross-attention, the feed-forward (not recommended).
+        seed: seeds the destination choice (tomesd forks torch's global RNG instead).
+    """
+
+    ratio: float
+    max_downsample: Optional[int] = None
+    sx: int = 2
+    sy: int = 2
+    use_rand: bool = True
+    merge_attn: bool = True
+    merge_crossattn: bool = False
+    merge_mlp: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ratio = self.ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio):
+            raise TypeError(f"token_merging ratio must be a number in [0, 1), got {ratio!r}")
+        if not 0 <= ratio < 1:
+            raise ValueError(f"token_merging ratio must be in [0, 1), got {ratio}")
+        for name in ("sx", "sy", "seed"):
+            _check_int(name, getattr(self, name), minimum=0 if name == "seed" else 1)
+        if self.max_downsample is not None:
+            _check_int("max_downsample", self.max_downsample, minimum=1)
+        for name in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"token_merging {name} must be True or False")
+
+    @classmethod
+    def of(cls, value: Any) -> TokenMergingOptions:
+        """Options from a ratio, a mapping of option names, or options."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise TypeError(
+                    f"token_merging got unknown options {unknown}; valid: {sorted(known)}"
+                )
+            if "ratio" not in value:
+                raise TypeError("token_merging options need a 'ratio'")
+            return cls(**value)
+        return cls(ratio=value)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"token_merging {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"token_merging {name} must be >= {minimum}, got {value}")
+
+
+# --------------------------------------------------------------------------- the algorithm
+def bipartite_soft_matching_random2d(
+    metric: torch.Tensor,
+    w: int,
+    h: int,
+    sx: int,
+    sy: int,
+    r: int,
+    no_rand: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[Merge, Merge]:
+    """tomesd's bipartite soft matching on a ``w x h`` token grid: merge and unmerge functions
+    that remove ``r`` tokens from ``[B, N, C]`` tensors (``metric`` decides which).
+
+    One destination per ``sx x sy`` cell (random when ``no_rand`` is False, drawn from
+    ``generator``), the rest are sources; sources merge (mean) into their most cosine-similar
+    destination, the ``r`` best matches first; unmerge copies each destination back to its
+    sources. Same operations in the same order as tomesd 0.1.3's ``merge.py``.
+    """
+    batch, tokens, _ = metric.shape
+    if r <= 0 or w < sx or h < sy:  # nothing to merge, or no whole cell (tomesd would fail)
+        return _identity, _identity
+    with torch.no_grad():
+        a_idx, b_idx = _split_indices(w, h, sx, sy, no_rand, generator, metric.device)
+        num_dst = b_idx.shape[1]
+
+        def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            channels = x.shape[-1]
+            src = torch.gather(x, dim=1, index=a_idx.expand(batch, tokens - num_dst, channels))
+            dst = torch.gather(x, dim=1, index=b_idx.expand(batch, num_dst, channels))
+            return src, dst
+
+        metric = metric / metric.norm(dim=-1, keepdim=True)
+        a, b = split(metric)
+        scores = a @ b.transpose(-1, -2)
+        r = min(a.shape[1], r)  # cannot merge more tokens than there are sources
+        node_max, node_idx = scores.max(dim=-1)
+        edge_idx = node_max.argsort(dim=-1, descending=True)[..., None]
+        unm_idx = edge_idx[..., r:, :]  # sources kept
+        src_idx = edge_idx[..., :r, :]  # sources merged
+        dst_idx = torch.gather(node_idx[..., None], dim=-2, index=src_idx)
+
+    def merge(x: torch.Tensor) -> torch.Tensor:
+        src, dst = split(x)
+        n, t1, c = src.shape
+        unm = torch.gather(src, dim=-2, index=unm_idx.expand(n, t1 - r, c))
+        src = torch.gather(src, dim=-2, index=src_idx.expand(n, r, c))
+        dst = dst.scatter_reduce(-2, dst_idx.expand(n, r, c), src, reduce="mean")
+        return torch.cat([unm, dst], dim=1)
+
+    def unmerge(x: torch.Tensor) -> torch.Tensor:
+        unm_len = unm_idx.shape[1]
+        unm, dst = x[..., :unm_len, :], x[..., unm_len:, :]
+        c = unm.shape[-1]
+        src = torch.gather(dst, dim=-2, index=dst_idx.expand(batch, r, c))
+        out = torch.zeros(batch, tokens, c, device=x.device, dtype=x.dtype)
+        source_positions = a_idx.expand(batch, a_idx.shape[1], 1)
+        unm_positions = torch.gather(source_positions, dim=1, index=unm_idx)
+        src_positions = torch.gather(source_positions, dim=1, index=src_idx)
+        out.scatter_(dim=-2, index=b_idx.expand(batch, num_dst, c), src=dst)
+        out.scatter_(dim=-2, index=unm_positions.expand(batch, unm_len, c), src=unm)
+        out.scatter_(dim=-2, index=src_positions.expand(batch, r, c), src=src)
+        return out
+
+    return merge, unmerge
+
+
+def _split_indices(
+    w: int,
+    h: int,
+    sx: int,
+    sy: int,
+    no_rand: bool,
+    generator: Optional[torch.Generator],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices of the sources and the destinations (one per whole ``sx x sy`` cell)."""
+    hsy, wsx = h // sy, w // sx
+    if no_rand:
+        rand_idx = torch.zeros(hsy, wsx, 1, device=device, dtype=torch.int64)
+    else:
+        gen_device = generator.device if generator is not None else "cpu"
+        rand_idx = torch.randint(
+            sy * sx, size=(hsy, wsx, 1), device=gen_device, generator=generator
+        ).to(device)
+    # Destinations are -1, sources 0, so a (stable) argsort lists destinations first.
+    cells = torch.zeros(hsy, wsx, sy * sx, device=device, dtype=torch.int64)
+    cells.scatter_(dim=2, index=rand_idx, src=-torch.ones_like(rand_idx, dtype=rand_idx.dtype))
+    cells = cells.view(hsy, wsx, sy, sx).transpose(1, 2).reshape(hsy * sy, wsx * sx)
+    if hsy * sy < h or wsx * sx < w:  # the grid does not divide the image: edges are sources
+        grid = torch.zeros(h, w, device=device, dtype=torch.int64)
+        grid[: hsy * sy, : wsx * sx] = cells
+    else:
+        grid = cells
+    order = grid.reshape(1, -1, 1).argsort(dim=1)
+    num_dst = hsy * wsx
+    return order[:, num_dst:, :], order[:, :num_dst, :]
+
+
+# --------------------------------------------------------------------------- attaching it
+class _State:
+    """Per-model state: the options, the generator, the latent size and the hook handles."""
+
+    def __init__(self, options: TokenMergingOptions, max_downsample: int) -> None:
+        self.options = options
+        self.max_downsample = max_downsample
+        self.generator = torch.Generator(device="cpu").manual_seed(options.seed)
+        self.size: Optional[tuple[int, int]] = None
+        self.handles: list[Any] = []
+        self.blocks = 0
+
+    def merge_functions(self, x: torch.Tensor) -> tuple[Merge, Merge]:
+        """tomesd's ``compute_merge``: merge/unmerge for one block's input ``x``."""
+        if self.size is None:
+            raise RuntimeError("token merging: the UNet's input size is unknown (call the UNet)")
+        height, width = self.size
+        downsample = int(math.ceil(math.sqrt(height * width // x.shape[1])))
+        if downsample > self.max_downsample:
+            return _identity, _identity
+        w = int(math.ceil(width / downsample))
+        h = int(math.ceil(height / downsample))
+        r = int(x.shape[1] * self.options.ratio)
+        # An odd batch cannot hold matching conditional/unconditional halves (tomesd's rule).
+        use_rand = self.options.use_rand and x.shape[0] % 2 == 0
+        return bipartite_soft_matching_random2d(
+            x,
+            w,
+            h,
+            self.options.sx,
+            self.options.sy,
+            r,
+            no_rand=not use_rand,
+            generator=self.generator,
+        )
+
+
+def _first_arg(args: tuple, kwargs: dict, name: str) -> torch.Tensor:
+    return args[0] if args else kwargs[name]
+
+
+def _replace_first_arg(args: tuple, kwargs: dict, name: str, value: torch.Tensor):
+    if args:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def _hook_merge_around(module: torch.nn.Module, slot: dict, state: _State) -> None:
+    """Merge ``module``'s first input and unmerge its output with the block's functions."""
+
+    def merge_input(_module, args, kwargs):
+        x = _first_arg(args, kwargs, "hidden_states")
+        return _replace_first_arg(args, kwargs, "hidden_states", slot["merge"](x))
+
+    def unmerge_output(_module, _args, output):
+        return slot["unmerge"](output)
+
+    state.handles.append(module.register_forward_pre_hook(merge_input, with_kwargs=True))
+    state.handles.append(module.register_forward_hook(unmerge_output))
+
+
+def _hook_block(block: torch.nn.Module, state: _State) -> None:
+    options = state.options
+    if options.merge_mlp and getattr(block, "_chunk_size", None) is not None:
+        raise ValueError(
+            "token_merging merge_mlp cannot be combined with feed-forward chunking "
+            "(enable_forward_chunking); disable one of them"
+        )
+    slot: dict[str, Merge] = {}
+
+    def compute(_block, args, kwargs):
+        merge, unmerge = state.merge_functions(_first_arg(args, kwargs, "hidden_states"))
+        slot["merge"], slot["unmerge"] = merge, unmerge
+
+    def forget(_block, _args, _output):
+        slot.clear()  # the index tensors are per call; do not keep them alive
+
+    state.handles.append(block.register_forward_pre_hook(compute, with_kwargs=True))
+    state.handles.append(block.register_forward_hook(forget))
+    targets = [
+        (options.merge_attn, block.attn1),
+        (options.merge_crossattn, getattr(block, "attn2", None)),
+        (options.merge_mlp, block.ff),
+    ]
+    for enabled, module in targets:
+        if enabled and module is not None:
+            _hook_merge_around(module, slot, state)
+
+
+def _unet_of(target: Any) -> torch.nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    unet = target if isinstance(target, torch.nn.Module) else getattr(target, "unet", None)
+    if not isinstance(unet, UNet2DConditionModel):
+        raise ModelFamilyError(
+            "token_merging applies to UNet models (SD-1.5/2.1, SDXL: UNet2DConditionModel), "
+            f"not to {type(unet if unet is not None else target).__name__}"
+        )
+    return unet
+
+
+def _highest_attention_downsample(unet: torch.nn.Module) -> int:
+    """The downsampling of the highest-resolution down block that has transformer blocks."""
+    for index, block in enumerate(unet.down_blocks):
+        if getattr(block, "attentions", None):
+            return 2**index
+    raise ModelFamilyError(
+        f"token_merging applies to UNets with transformer blocks; {type(unet).__name__} has none"
+    )
+
+
+def _transformer_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    from diffusers.models.attention import BasicTransformerBlock
+
+    return [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+
+
+def check_token_merging(target: Any, options: Any) -> TokenMergingOptions:
+    """Validate ``options`` for ``target`` without changing anything (raises as
+    :func:`apply_token_merging` would)."""
+    options = TokenMergingOptions.of(options)
+    unet = _unet_of(target)
+    if options.max_downsample is None:
+        _highest_attention_downsample(unet)
+    return options
+
+
+def apply_token_merging(target: Any, options: Any) -> dict[str, Any]:
+    """Attach Token Merging to a pipeline's UNet (or a UNet); replaces an earlier setting.
+
+    Args:
+        target: a diffusers pipeline with a ``unet`` or a ``UNet2DConditionModel``.
+        options: a ratio in [0, 1), a dict of :class:`TokenMergingOptions` fields, or options.
+
+    Returns:
+        The options applied (``max_downsample`` resolved) and ``blocks``: the number of
+        transformer blocks hooked (merging happens in those at a qualifying resolution).
+
+    Raises:
+        ValueError, TypeError: a bad option, or a model that is not a UNet.
+    """
+    options = check_token_merging(target, options)
+    unet = _unet_of(target)
+    blocks = _transformer_blocks(unet)
+    max_downsample = options.max_downsample or _highest_attention_downsample(unet)
+    remove_token_merging(unet)
+    state = _State(options, max_downsample)
+
+    def remember_size(_unet, args, kwargs):
+        sample = _first_arg(args, kwargs, "sample")
+        state.size = (sample.shape[2], sample.shape[3])
+
+    state.handles.append(unet.register_forward_pre_hook(remember_size, with_kwargs=True))
+    try:
+        for block in blocks:
+            _hook_block(block, state)
+    except Exception:
+        _remove_handles(state)
+        raise
+    state.blocks = len(blocks)
+    object.__setattr__(unet, _STATE_ATTR, state)  # plain attribute: not a submodule
+    return token_merging_of(unet)
+
+
+def _remove_handles(state: _State) -> None:
+    for handle in state.handles:
+        handle.remove()
+    state.handles.clear()
+
+
+def remove_token_merging(target: Any) -> bool:
+    """Remove Token Merging's hooks; returns whether there were any."""
+    unet = _unet_of(target)
+    state = unet.__dict__.get(_STATE_ATTR)
+    if state is None:
+        return False
+    _remove_handles(state)
+    object.__delattr__(unet, _STATE_ATTR)
+    return True
+
+
+def token_merging_of(target: Any) -> Optional[dict[str, Any]]:
+    """The Token Merging settings of a pipeline's UNet or a UNet, or None when off."""
+    unet = target if isinstance(target, torch.nn.Module) else getattr(target, "unet", None)
+    state = getattr(unet, "__dict__", {}).get(_STATE_ATTR)
+    if state is None:
+        return None
+    applied = dataclasses.asdict(state.options)
+    applied["max_downsample"] = state.max_downsample
+    applied["blocks"] = state.blocks
+    return applied

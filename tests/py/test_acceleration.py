@@ -1,0 +1,228 @@
+"""accelerate / reset_acceleration: one call, one undo, from options or the environment, and
+composition of Token Merging, DeepCache and every attention strategy."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import npu_attn
+from npu_attn import strategies
+from npu_attn.acceleration import accelerate_from_environment, environment_options
+from npu_attn.token_merging import ModelFamilyError
+from tiny_accel_models import generate, run, sd15_pipeline, sdxl_pipeline, tiny_sd15_unet
+from tiny_models import tiny_flux
+
+STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
+TOME = {"ratio": 0.5, "seed": 3}
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("NPU_ATTN_STRATEGY", "DIFFUSERS_ATTENTION_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("NPU_ATTN_TOME", "NPU_ATTN_DEEPCACHE"):
+        monkeypatch.delenv(name, raising=False)
+    strategies.auto_selector._memory.clear()
+    npu_attn.reset_attention_strategy(None)
+    yield
+    npu_attn.reset_attention_strategy(None)
+
+
+def close(out, ref, relative=1e-4):
+    tol = relative * max(1.0, float(ref.abs().max()))
+    err = float((out - ref).abs().max())
+    assert err <= tol, f"max error {err:.3g} > {tol:.3g}"
+
+
+def module_state(model):
+    """What accelerate may change: instance forwards and hooks, per module."""
+    return [
+        ("forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks))
+        for m in model.modules()
+    ]
+
+
+@pytest.mark.parametrize("make", [sd15_pipeline, sdxl_pipeline], ids=["sd15", "sdxl"])
+def test_one_call_one_undo(make):
+    pipe = make()
+    state = module_state(pipe.unet)
+    plain = generate(pipe, steps=STEPS)
+    applied = npu_attn.accelerate(pipe, token_merging=0.5, deep_cache=3)
+    assert applied["token_merging"]["ratio"] == 0.5
+    assert applied["deep_cache"]["cache_interval"] == 3
+    assert set(npu_attn.acceleration_of(pipe)) == {"token_merging", "deep_cache"}
+    assert not torch.equal(generate(pipe, steps=STEPS), plain)
+    assert npu_attn.reset_acceleration(pipe) == ["token_merging", "deep_cache"]
+    assert module_state(pipe.unet) == state
+    assert npu_attn.acceleration_of(pipe) == {}
+    assert torch.equal(generate(pipe, steps=STEPS), plain)
+    assert npu_attn.reset_acceleration(pipe) == []
+
+
+def test_disabled_settings_are_bit_identical():
+    pipe = sd15_pipeline()
+    plain = generate(pipe, steps=STEPS)
+    npu_attn.accelerate(pipe, token_merging=0.0, deep_cache=1)
+    assert torch.equal(generate(pipe, steps=STEPS), plain)
+
+
+def test_nothing_is_enabled_by_default():
+    pipe = sd15_pipeline()
+    assert npu_attn.accelerate(pipe) == {}
+    assert accelerate_from_environment(pipe) == {}
+    assert npu_attn.acceleration_of(pipe) == {}
+    npu_attn.set_attention_strategy(pipe, "tiled")
+    assert npu_attn.acceleration_of(pipe) == {}
+
+
+def test_resetting_one_method_keeps_the_other():
+    pipe = sd15_pipeline()
+    npu_attn.accelerate(pipe, token_merging=TOME)
+    tome_only = generate(pipe, steps=STEPS)
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    assert npu_attn.reset_acceleration(pipe, "deep_cache") == ["deep_cache"]
+    assert set(npu_attn.acceleration_of(pipe)) == {"token_merging"}
+    npu_attn.accelerate(pipe, token_merging=TOME)  # same seed again: same destinations
+    assert torch.equal(generate(pipe, steps=STEPS), tome_only)
+    with pytest.raises(ValueError, match="method must be one of"):
+        npu_attn.reset_acceleration(pipe, "tome")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_composes_with_every_attention_strategy(strategy):
+    pipe = sd15_pipeline()
+    processors = 16 * 2  # 16 transformer blocks, self- and cross-attention each
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    accelerated = generate(pipe, steps=STEPS)
+    # Acceleration first, then the strategy.
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)  # a fresh seed and cache
+    npu_attn.set_attention_strategy(pipe, strategy)
+    strategies.reset_call_counts()
+    close(generate(pipe, steps=STEPS), accelerated)
+    if strategy in ("sdpa", "tiled"):
+        assert strategies.call_counts().get(strategy, 0) > 0, strategies.call_counts()
+    # Resetting the strategy keeps the acceleration.
+    npu_attn.reset_attention_strategy(pipe)
+    assert set(npu_attn.acceleration_of(pipe)) == {"token_merging", "deep_cache"}
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    assert torch.equal(generate(pipe, steps=STEPS), accelerated)
+    # The strategy first, then acceleration; resetting the acceleration keeps the strategy.
+    npu_attn.reset_acceleration(pipe)
+    npu_attn.set_attention_strategy(pipe, strategy)
+    strategy_only = generate(pipe, steps=STEPS)
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    close(generate(pipe, steps=STEPS), accelerated)
+    npu_attn.reset_acceleration(pipe)
+    assert npu_attn.attention_strategy_of(pipe.unet) == {strategy: processors}
+    assert torch.equal(generate(pipe, steps=STEPS), strategy_only)
+    npu_attn.reset_attention_strategy(pipe)
+
+
+def test_bfloat16_composes_with_tiled():
+    pipe = sd15_pipeline().to(dtype=torch.bfloat16)
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    reference = generate(pipe, steps=STEPS)
+    npu_attn.set_attention_strategy(pipe, "tiled")
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    strategies.reset_call_counts()
+    out = generate(pipe, steps=STEPS)
+    assert strategies.call_counts().get("tiled", 0) > 0
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    close(out.float(), reference.float(), relative=5e-2)  # bf16 rounding of the attention
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_unet_runs_under_no_grad_and_inference_mode(context):
+    unet = tiny_sd15_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    npu_attn.accelerate(unet, token_merging=TOME)
+    with context():
+        out = run(unet)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["token_merging", "deep_cache"])
+def test_runs_under_torch_compile(method):
+    """Token Merging traces into the compiled graph (hooks included); DeepCache runs with graph
+    breaks at its step bookkeeping. The "eager" backend checks what dynamo does with both
+    without paying for inductor's code generation."""
+    pipe = sd15_pipeline()
+    options = {"token_merging": TOME} if method == "token_merging" else {"deep_cache": 2}
+    npu_attn.accelerate(pipe, **options)
+    eager = generate(pipe, steps=STEPS)
+    npu_attn.accelerate(pipe, **options)
+    npu_attn.compile(pipe, "tiled", backend="eager", show_progress=False)
+    try:
+        close(generate(pipe, steps=STEPS), eager)
+    finally:
+        npu_attn.reset_compile(pipe)
+        torch._dynamo.reset()
+
+
+def test_environment_applies_both(monkeypatch):
+    monkeypatch.setenv("NPU_ATTN_TOME", "0.5")
+    monkeypatch.setenv("NPU_ATTN_DEEPCACHE", " 3 ")
+    assert environment_options() == {"token_merging": 0.5, "deep_cache": 3}
+    pipe = sd15_pipeline()
+    applied = accelerate_from_environment(pipe)
+    assert applied == npu_attn.accelerate(pipe)
+    assert applied["token_merging"]["ratio"] == 0.5
+    assert applied["deep_cache"]["cache_interval"] == 3
+    # Explicit options win over the environment.
+    assert set(npu_attn.accelerate(pipe, deep_cache=2)) == {"deep_cache"}
+    assert npu_attn.acceleration_of(pipe)["deep_cache"]["cache_interval"] == 2
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "match"),
+    [
+        ("NPU_ATTN_TOME", "half", "NPU_ATTN_TOME must be a token-merging ratio"),
+        ("NPU_ATTN_TOME", "1.5", r"NPU_ATTN_TOME=1.5: token_merging ratio must be in \[0, 1\)"),
+        ("NPU_ATTN_DEEPCACHE", "2.5", "NPU_ATTN_DEEPCACHE must be a DeepCache interval"),
+        ("NPU_ATTN_DEEPCACHE", "0", "NPU_ATTN_DEEPCACHE=0: deep_cache cache_interval must be"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(monkeypatch, variable, value, match):
+    monkeypatch.setenv(variable, value)
+    pipe = sd15_pipeline()
+    with pytest.raises(ValueError, match=match):
+        npu_attn.accelerate(pipe)
+    assert npu_attn.acceleration_of(pipe) == {}
+
+
+class FluxLike:
+    """Stands in for a Flux pipeline (its denoiser is ``transformer``)."""
+
+    def __init__(self) -> None:
+        self.transformer = tiny_flux()
+
+
+def test_environment_skips_methods_that_do_not_apply(monkeypatch, caplog):
+    monkeypatch.setenv("NPU_ATTN_TOME", "0.5")
+    monkeypatch.setenv("NPU_ATTN_DEEPCACHE", "3")
+    with caplog.at_level(logging.WARNING, logger="npu_attn"):
+        assert npu_attn.accelerate(FluxLike()) == {}
+    assert "NPU_ATTN_TOME=0.5 ignored for FluxLike" in caplog.text
+    assert "NPU_ATTN_DEEPCACHE=3 ignored for FluxLike" in caplog.text
+    # A bare UNet: Token Merging applies, DeepCache (which needs the pipeline) is skipped.
+    unet = tiny_sd15_unet()
+    assert set(npu_attn.accelerate(unet)) == {"token_merging"}
+
+
+def test_bad_options_raise_before_anything_changes():
+    pipe = sd15_pipeline()
+    with pytest.raises(TypeError, match=r"unknown options \['tome'\]"):
+        npu_attn.accelerate(pipe, tome=0.5)
+    with pytest.raises(ValueError, match="cache_interval must be >= 1"):
+        npu_attn.accelerate(pipe, token_merging=0.5, deep_cache=0)
+    assert npu_attn.acceleration_of(pipe) == {}  # token merging was not applied either
+    with pytest.raises(ModelFamilyError, match="token_merging applies to UNet models"):
+        npu_attn.accelerate(FluxLike(), token_merging=0.5)
+    with pytest.raises(ModelFamilyError, match="deep_cache needs the pipeline"):
+        npu_attn.accelerate(tiny_sd15_unet(), deep_cache=2)
