@@ -10,7 +10,8 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
   that strategy compiled in;
 - ``openvino``: the same UNet converted with ``openvino.convert_model`` and compiled for the
   CPU with the run's precision as its inference-precision hint (when ``openvino`` is installed:
-  ``pip install openvino``), the runtime CPU users of diffusion often pick instead.
+  ``pip install "npu_attn[bench]"`` or ``pip install openvino==2026.4.1``), the runtime CPU
+  users of diffusion often pick instead.
 
 Every competitor runs in this process on the same inputs with the same thread count,
 interleaved (round-robin) after a warm-up; compile and conversion times are reported
@@ -126,7 +127,10 @@ def run(args) -> dict:
                 unet, inputs, dtype, threads
             )
         except ImportError:
-            print("openvino is not installed (pip install openvino): skipped", file=sys.stderr)
+            print(
+                'openvino is not installed (pip install "openvino==2026.4.1"): skipped',
+                file=sys.stderr,
+            )
     unet = unet.to(dtype)
     compiled_unet = torch.compile(unet, mode=args.mode)
     for strategy in ("sdpa", "tiled"):
