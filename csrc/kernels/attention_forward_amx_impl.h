@@ -16,8 +16,9 @@
 // are whole tiles. Accumulation, softmax and output normalisation are float32; P is rounded to
 // bfloat16 for the second product (as torch's CPU kernel and FlashAttention do).
 //
-// The tile configuration is per thread (loaded at the start of each parallel region, released
-// at its end); the OS permission to use AMX state is requested once per process by dispatch.cpp
+// Run by the shared forward driver (run_forward, forward_driver_impl.h) as AmxFamily. The tile
+// configuration is per thread (loaded when a thread enters the parallel region, released when it
+// leaves); the OS permission to use AMX state is requested once per process by dispatch.cpp
 // before this variant can be selected.
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
 #error "attention_forward_amx_impl.h needs -mamx-tile -mamx-bf16 -mavx512bf16"
@@ -30,8 +31,22 @@
 namespace npu_attn {
 namespace {
 
-constexpr int64_t kAmxBlockQ = 32;      // queries per task: two 16-column B tiles
-constexpr int64_t kAmxMaxBlockK = 128;  // keys per block (a multiple of 32)
+// ---------------------------------------------------------------- blocking rules
+// The tile plan of the AMX kernel; only plan_amx (and the fixed tile shapes below) read these.
+// What one tile holds: 16 rows of 64 bytes, i.e. 32 bfloat16 along a reduced dimension.
+constexpr int64_t kAmxTileRows = 16;  // rows of a tile: O^T channels per row block
+constexpr int64_t kAmxTileK = 32;     // bfloat16 per tile row: head dims / keys per product step
+// Queries per task: two 16-column B tiles, so each A tile load feeds two tdpbf16ps.
+constexpr int64_t kAmxBlockQ = 32;
+// Keys per block of the key loop (a multiple of kAmxTileK): the block's S^T (128 x 32 floats,
+// 16 KiB) and P^T pairs (8 KiB) stay in L1 between the softmax and the two products.
+constexpr int64_t kAmxMaxBlockK = 128;
+// Packed K/V of one chunk of (batch, kv-head) pairs: as many pairs as fit in 64 MiB (fewer
+// barriers for short sequences, bounded memory for long ones). Twice the vector kernels'
+// kPackBudgetBytes, as the kernel was written; not tuned separately.
+constexpr int64_t kAmxPackBudgetBytes = int64_t{64} << 20;
+static_assert(kAmxMaxBlockK % kAmxTileK == 0 && kAmxBlockQ == 2 * kAmxTileRows,
+              "key blocks are whole tiles; a task is two B tiles of queries");
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -53,54 +68,62 @@ void configure_tiles() {
 
 // ---------------------------------------------------------------- plan and packing
 struct AmxPlan {
-  PairLayout pairs;    // block_q = 32, block_k, k_words: reused by the shared softmax/loaders
-  int64_t dim_pad;     // head_dim rounded up to 32 (one A tile of bfloat16 columns)
-  int64_t dim_v_pad;   // head_dim_v rounded up to 16 (one row block of O^T)
-  int64_t len_k_pad;   // len_k rounded up to 32
-  bool k_in_place;     // K rows already hold whole tiles (head_dim and len_k multiples of 32)
-  int64_t k_row;       // elements between packed K rows (dim_pad) when packing
-  int64_t pair_elems;  // packed bfloat16 elements per (batch, kv-head) pair
-  int64_t pairs_per_chunk;
+  ForwardSchedule schedule;
+  PairLayout pairs;   // block_q = 32, block_k, k_words: reused by the shared softmax/loaders
+  int64_t dim_pad;    // head_dim rounded up to 32 (one A tile of bfloat16 columns)
+  int64_t dim_v_pad;  // head_dim_v rounded up to 16 (one row block of O^T)
+  int64_t len_k_pad;  // len_k rounded up to 32
+  bool k_in_place;    // K rows already hold whole tiles (head_dim and len_k multiples of 32)
+  int64_t k_row;      // elements between packed K rows (dim_pad) when packing
 };
 
-AmxPlan plan_amx(const AttentionParams& p) {
+// The plan of the AMX kernel (the thread count does not change it: tasks are always 32
+// queries).
+AmxPlan plan_amx(const AttentionParams& p, int threads) {
   AmxPlan a{};
-  a.dim_pad = round_up(max_i64(p.head_dim, 1), 32);
-  a.dim_v_pad = round_up(max_i64(p.head_dim_v, 1), 16);
-  a.len_k_pad = round_up(max_i64(p.len_k, 1), 32);
+  ForwardSchedule& s = a.schedule;
+  a.dim_pad = round_up(max_i64(p.head_dim, 1), kAmxTileK);
+  a.dim_v_pad = round_up(max_i64(p.head_dim_v, 1), kAmxTileRows);
+  a.len_k_pad = round_up(max_i64(p.len_k, 1), kAmxTileK);
   a.pairs.block_q = kAmxBlockQ;
   a.pairs.block_k = min_i64(kAmxMaxBlockK, a.len_k_pad);
   a.pairs.k_words = a.dim_pad / 2;
   // In place only when every tile load stays inside K: whole tiles of head dims and of keys.
-  a.k_in_place = p.k_stride[3] == 1 && p.head_dim % 32 == 0 && p.len_k % 32 == 0;
+  a.k_in_place = p.k_stride[3] == 1 && p.head_dim % kAmxTileK == 0 && p.len_k % kAmxTileK == 0;
   a.k_row = a.dim_pad;
-  a.pair_elems = a.dim_v_pad * a.len_k_pad + (a.k_in_place ? 0 : a.len_k_pad * a.dim_pad);
-  const int64_t budget_elems = (int64_t{64} << 20) / 2;
-  a.pairs_per_chunk =
-      max_i64(1, min_i64(p.batch * p.heads_kv, budget_elems / max_i64(a.pair_elems, 1)));
+  // Packed bfloat16 elements per pair: V^T, then K rows unless read in place. Both terms are
+  // multiples of kAmxTileK (even), so they are whole floats.
+  const int64_t pair_elems =
+      a.dim_v_pad * a.len_k_pad + (a.k_in_place ? 0 : a.len_k_pad * a.dim_pad);
+  s.block_q = kAmxBlockQ;
+  s.pack_tiles = a.len_k_pad / kAmxTileK;  // one item per 32 keys
+  s.pair_floats = pair_elems / 2;
+  s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kAmxPackBudgetBytes);
+  // PairScratch with block_q = 32 and O^T rows padded to dim_v_pad.
+  s.scratch_floats = pair_scratch_words(a.pairs, a.dim_v_pad);
   return a;
 }
 
 // Keys [k0, k0 + 32) of one pair: V^T chunk k0/32 (dim_v_pad rows of 32 keys, contiguous, so
 // a tile load reads one sequential kilobyte instead of 16 rows a whole sequence apart) and,
-// unless read in
-// place, K rows (len_k_pad rows of dim_pad); zeros past len_k, head_dim and head_dim_v.
+// unless read in place, K rows (len_k_pad rows of dim_pad); zeros past len_k, head_dim and
+// head_dim_v.
 void pack_amx_block(const AttentionParams& p, const AmxPlan& a, int64_t pair, int64_t k0,
                     uint16_t* dst) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const uint16_t* k = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
-  const int64_t count = min_i64(32, p.len_k - k0);
+  const int64_t count = min_i64(kAmxTileK, p.len_k - k0);
   uint16_t* vt = dst;
   for (int64_t c = 0; c < a.dim_v_pad; ++c) {
-    uint16_t* row = vt + (k0 / 32 * a.dim_v_pad + c) * 32;
+    uint16_t* row = vt + (k0 / kAmxTileK * a.dim_v_pad + c) * kAmxTileK;
     const int64_t valid = c < p.head_dim_v ? count : 0;
     for (int64_t j = 0; j < valid; ++j) row[j] = v[(k0 + j) * p.v_stride[2] + c * p.v_stride[3]];
-    for (int64_t j = valid; j < 32; ++j) row[j] = 0;
+    for (int64_t j = valid; j < kAmxTileK; ++j) row[j] = 0;
   }
   if (a.k_in_place) return;
   uint16_t* kr = dst + a.dim_v_pad * a.len_k_pad;
-  for (int64_t j = 0; j < 32; ++j) {
+  for (int64_t j = 0; j < kAmxTileK; ++j) {
     uint16_t* row = kr + (k0 + j) * a.k_row;
     const int64_t valid = j < count ? p.head_dim : 0;
     const uint16_t* src = k + (k0 + j) * p.k_stride[2];
@@ -138,7 +161,6 @@ void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t k_row, int64_t keys
 
 // O^T (dim_v_pad x 32, ld 32) += V^T P^T over `keys32` keys; vt points at the block's first
 // 32-key chunk of V^T (chunks of dim_v_pad x 32), pp at its first key-pair row.
-// column, pp at its first key-pair row.
 void amx_values(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp, int64_t keys32,
                 float* ot) {
   const int64_t v_stride = 64, chunk = a.dim_v_pad * 32, p_stride = kAmxBlockQ * 4,
@@ -199,7 +221,7 @@ void run_amx_tile(const AttentionParams& p, const AmxPlan& a, const uint16_t* k,
   const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
   for (int64_t k0 = 0; k0 < key_limit; k0 += l.block_k) {
     const int64_t keys = min_i64(l.block_k, key_limit - k0);
-    const int64_t keys32 = round_up(keys, 32);
+    const int64_t keys32 = round_up(keys, kAmxTileK);
     amx_scores(a, k + k0 * k_row, k_row, keys32, ws.qp, ws.f32.st);
     const float rest_scale = scale_scores_if_needed(p, keys, ld, ws.f32.st, ld);
     if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
@@ -208,69 +230,49 @@ void run_amx_tile(const AttentionParams& p, const AmxPlan& a, const uint16_t* k,
     // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
     for (int64_t w = (keys + 1) / 2; w < keys32 / 2; ++w)
       for (int64_t i = 0; i < ld; ++i) ws.pp[w * ld + i] = 0;
-    amx_values(a, vt + k0 / 32 * a.dim_v_pad * 32, ws.pp, keys32, ws.f32.ot);
+    amx_values(a, vt + k0 / kAmxTileK * a.dim_v_pad * kAmxTileK, ws.pp, keys32, ws.f32.ot);
   }
-  Tiling t{};
-  t.block_q = ld;
+  Tiling t{};  // write_output reads only schedule.block_q
+  t.schedule.block_q = ld;
   write_output<BFloat16>(p, tile, t, ws.f32);
 }
 
-void attention_forward_bf16_amx(const AttentionParams& p) {
-  if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t pairs = p.batch * p.heads_kv;
-  const int64_t q_tiles = ceil_div(p.len_q, kAmxBlockQ);
-  const int threads =
-      static_cast<int>(min_i64(max_i64(p.num_threads, 1), p.batch * p.heads_q * q_tiles));
-  const AmxPlan a = plan_amx(p);
-  const int64_t k_blocks = a.len_k_pad / 32;
+// ---------------------------------------------------------------- family traits
+// The AMX family for run_forward (forward_driver_impl.h); bfloat16 tensors only.
+struct AmxFamily {
+  // The thread clamp counts the tasks that exist: every task is kAmxBlockQ queries.
+  static constexpr int64_t kThreadClampQueries = kAmxBlockQ;
+  typedef AmxPlan Plan;
+  typedef PairScratch Scratch;
 
-  // Scratch as PairScratch with block_q = 32 and O^T rows padded to dim_v_pad.
-  const int64_t per_thread = round_up(kAmxBlockQ * (a.pairs.block_k + a.dim_v_pad + 2) +
-                                          kAmxBlockQ * (a.dim_pad / 2 + a.pairs.block_k / 2),
-                                      16);
-  const int64_t chunk_floats = ceil_div(a.pairs_per_chunk * a.pair_elems, 2);
-  const WorkspaceBuffer packed_buffer(chunk_floats);
-  const WorkspaceBuffer scratch_buffer(per_thread * threads);
-  uint16_t* packed = reinterpret_cast<uint16_t*>(packed_buffer.data());
-  float* scratch = scratch_buffer.data();
-
-#pragma omp parallel num_threads(threads)
-  {
+  static Plan make_plan(const AttentionParams& p, int threads) { return plan_amx(p, threads); }
+  // Loads this thread's tile configuration, and carves its scratch.
+  static Scratch enter_thread(const AttentionParams& p, const Plan& a, float* scratch) {
     configure_tiles();
-    float* base = scratch + per_thread * omp_get_thread_num();
-    PairScratch ws{};
-    ws.f32.st = base;
-    ws.f32.ot = ws.f32.st + a.pairs.block_k * kAmxBlockQ;
-    ws.f32.m = ws.f32.ot + a.dim_v_pad * kAmxBlockQ;
-    ws.f32.l = ws.f32.m + kAmxBlockQ;
-    ws.qp = reinterpret_cast<uint32_t*>(ws.f32.l + kAmxBlockQ);
-    ws.pp = ws.qp + a.dim_pad / 2 * kAmxBlockQ;
-    for (int64_t first = 0; first < pairs; first += a.pairs_per_chunk) {
-      const int64_t chunk_pairs = min_i64(a.pairs_per_chunk, pairs - first);
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < chunk_pairs * k_blocks; ++item) {
-        const int64_t local = item / k_blocks;
-        pack_amx_block(p, a, first + local, (item % k_blocks) * 32, packed + local * a.pair_elems);
-      }
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
-        QueryTask task = query_task(p, first, index, q_tiles, kAmxBlockQ);
-        QueryTile& tile = task.tile;
-        tile.vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
-        const uint16_t* vt = packed + task.local * a.pair_elems;
-        const uint16_t* k = vt + a.dim_v_pad * a.len_k_pad;
-        int64_t k_row = a.k_row;
-        if (a.k_in_place) {
-          k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] +
-              task.hkv * p.k_stride[1];
-          k_row = p.k_stride[2];
-        }
-        run_amx_tile(p, a, k, k_row, vt, tile, ws);
-      }
-    }
-    _tile_release();
+    return carve_pair_scratch(a.pairs, a.dim_v_pad, scratch);
   }
+  static void leave_thread(Scratch&) { _tile_release(); }
+  static void pack(const AttentionParams& p, const Plan& a, int64_t pair, int64_t key_tile,
+                   float* pair_pack) {
+    pack_amx_block(p, a, pair, key_tile * kAmxTileK, reinterpret_cast<uint16_t*>(pair_pack));
+  }
+  static void run(const AttentionParams& p, const Plan& a, const QueryTask& task,
+                  const float* pair_pack, Scratch& ws) {
+    QueryTile tile = task.tile;
+    tile.vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
+    const uint16_t* vt = reinterpret_cast<const uint16_t*>(pair_pack);
+    const uint16_t* k = vt + a.dim_v_pad * a.len_k_pad;
+    int64_t k_row = a.k_row;
+    if (a.k_in_place) {
+      k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] + task.hkv * p.k_stride[1];
+      k_row = p.k_stride[2];
+    }
+    run_amx_tile(p, a, k, k_row, vt, tile, ws);
+  }
+};
+
+void attention_forward_bf16_amx(const AttentionParams& p) {
+  run_forward<AmxFamily>(p);
 }
 
 }  // namespace

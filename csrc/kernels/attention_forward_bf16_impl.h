@@ -1,9 +1,10 @@
 // bfloat16 attention forward on AVX-512-BF16: both products use vdpbf16ps, which multiplies
 // pairs of bfloat16 values and accumulates in float32 (twice the multiply rate of float32 FMA).
 //
-// Same algorithm and blocking as the float32 kernel (attention_forward_impl.h, whose tiling,
-// masking, online softmax bookkeeping and output code this file reuses): vectorised along
-// queries, one float32 lane per query. vdpbf16ps reduces over *pairs*, so the operands are
+// Same algorithm and blocking as the float32 kernel (attention_forward_impl.h, whose blocking
+// rules, masking, online softmax bookkeeping and output code this file reuses), run by the same
+// driver (run_forward, forward_driver_impl.h) as Bf16PairFamily: vectorised along queries, one
+// float32 lane per query. vdpbf16ps reduces over *pairs*, so the operands are
 // stored as 32-bit words holding two bfloat16 values adjacent along the reduced dimension:
 //     Q pairs   (head_dim/2 x queries)   word = (Q[q][2p], Q[q][2p+1])   from the query rows
 //     K rows    (keys x head_dim/2)      word = (K[j][2p], K[j][2p+1])   K read in place
@@ -15,8 +16,9 @@
 // product, as torch's CPU kernel and FlashAttention do for 16-bit inputs.
 //
 // Included by attention_forward_avx512_bf16.cpp, and by the AMX kernel, which shares the pair
-// layouts and the softmax (functions are `inline` so a TU that uses only some of them compiles
-// without unused-function warnings; the anonymous namespace keeps them local either way).
+// layouts, scratch and the softmax (functions are `inline` so a TU that uses only some of them
+// compiles without unused-function warnings; the anonymous namespace keeps them local either
+// way).
 #ifndef __AVX512BF16__
 #error "attention_forward_bf16_impl.h needs -mavx512bf16"
 #endif
@@ -99,31 +101,61 @@ inline float scale_scores_if_needed(const AttentionParams& p, int64_t keys, int6
   return 1.0f;
 }
 
-// ---------------------------------------------------------------- layout of one pair's K and V
+// ---------------------------------------------------------------- plan
+// Operand layout of the pair kernels (the AMX kernel fills one in for its padded operands).
 struct PairLayout {
-  bool k_in_place;     // bfloat16 K rows with unit stride and an even head_dim: read directly
-  int64_t k_words;     // words per packed K row: ceil(head_dim / 2)
-  int64_t v_pairs;     // ceil(len_k / 2)
-  int64_t pair_words;  // packed words per (batch, kv-head) pair
-  int64_t pairs_per_chunk;
+  bool k_in_place;  // bfloat16 K rows with unit stride and an even head_dim: read directly
+  int64_t k_words;  // words per packed K row (and query-pair rows): ceil(head_dim / 2)
+  int64_t v_pairs;  // ceil(len_k / 2)
   int64_t block_k;  // keys per tile (even)
-  int64_t block_q;
+  int64_t block_q;  // queries per task: the leading dimension of every scratch buffer
 };
 
-inline PairLayout choose_pair_layout(const AttentionParams& p, int threads) {
-  PairLayout l{};
+struct PairPlan {
+  ForwardSchedule schedule;
+  PairLayout layout;
+};
+
+// One thread's scratch of the pair kernels.
+struct PairScratch {
+  ThreadScratch f32;  // st (scores), ot, m, l as in the float32 kernel (qt unused)
+  uint32_t* qp;       // k_words x block_q: query pairs (zero in padding lanes)
+  uint32_t* pp;       // (block_k / 2) x block_q: probability pairs
+};
+
+// Floats (4-byte units) of PairScratch with `ot_rows` rows of O^T.
+inline int64_t pair_scratch_words(const PairLayout& l, int64_t ot_rows) {
+  return l.block_q * (l.block_k + ot_rows + 2) + l.block_q * (l.k_words + l.block_k / 2);
+}
+
+inline PairScratch carve_pair_scratch(const PairLayout& l, int64_t ot_rows, float* base) {
+  PairScratch s{};
+  s.f32.st = base;
+  s.f32.ot = s.f32.st + l.block_k * l.block_q;
+  s.f32.m = s.f32.ot + ot_rows * l.block_q;
+  s.f32.l = s.f32.m + l.block_q;
+  s.qp = reinterpret_cast<uint32_t*>(s.f32.l + l.block_q);
+  s.pp = s.qp + l.k_words * l.block_q;
+  return s;
+}
+
+// The plan of the vdpbf16ps kernel: the float32 kernel's blocking rules (kKeyTile, the query
+// tile rule, kPackBudgetBytes), with key tiles rounded to whole key pairs.
+inline PairPlan plan_pairs(const AttentionParams& p, int threads) {
+  PairPlan plan{};
+  PairLayout& l = plan.layout;
+  ForwardSchedule& s = plan.schedule;
   l.k_in_place = p.k_stride[3] == 1 && p.head_dim % 2 == 0 && p.k_stride[2] % 2 == 0;
   l.k_words = (p.head_dim + 1) / 2;
   l.v_pairs = (p.len_k + 1) / 2;
-  l.pair_words = l.v_pairs * p.head_dim_v + (l.k_in_place ? 0 : p.len_k * l.k_words);
-  const int64_t budget_words = (int64_t{32} << 20) / 4;
-  const int64_t pairs = p.batch * p.heads_kv;
-  l.pairs_per_chunk = max_i64(1, min_i64(pairs, budget_words / max_i64(l.pair_words, 1)));
-  l.block_k = round_up(min_i64(512, max_i64(p.len_k, 1)), 2);
-  const int64_t heads_rows = p.batch * p.heads_q;
-  l.block_q = kMaxBlockQ;
-  while (l.block_q > 16 && heads_rows * ceil_div(p.len_q, l.block_q) < 4 * threads) l.block_q /= 2;
-  return l;
+  l.block_k = round_up(min_i64(kKeyTile, max_i64(p.len_k, 1)), 2);
+  l.block_q = query_tile_for(p, threads);
+  s.block_q = l.block_q;
+  s.pack_tiles = ceil_div(p.len_k, l.block_k);  // V always (as key pairs), K unless in place
+  s.pair_floats = l.v_pairs * p.head_dim_v + (l.k_in_place ? 0 : p.len_k * l.k_words);
+  s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
+  s.scratch_floats = pair_scratch_words(l, p.head_dim_v);
+  return plan;
 }
 
 // Packs V of keys [k0, k0 + count) (k0 even) as key pairs, and K rows if not read in place.
@@ -158,27 +190,6 @@ inline void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_
 }
 
 // ---------------------------------------------------------------- one query tile
-struct PairScratch {
-  ThreadScratch f32;  // st (scores), ot, m, l as in the float32 kernel (qt unused)
-  uint32_t* qp;       // k_words x block_q: query pairs (zero in padding lanes)
-  uint32_t* pp;       // (block_k / 2) x block_q: probability pairs
-};
-
-inline int64_t pair_scratch_words(const AttentionParams& p, const PairLayout& l) {
-  return l.block_q * (l.block_k + p.head_dim_v + 2) + l.block_q * (l.k_words + l.block_k / 2);
-}
-
-inline PairScratch carve_pair_scratch(const AttentionParams& p, const PairLayout& l, float* base) {
-  PairScratch s{};
-  s.f32.st = base;
-  s.f32.ot = s.f32.st + l.block_k * l.block_q;
-  s.f32.m = s.f32.ot + p.head_dim_v * l.block_q;
-  s.f32.l = s.f32.m + l.block_q;
-  s.qp = reinterpret_cast<uint32_t*>(s.f32.l + l.block_q);
-  s.pp = s.qp + l.k_words * l.block_q;
-  return s;
-}
-
 inline void load_query_pairs(const AttentionParams& p, const PairLayout& l, const QueryTile& tile,
                              uint32_t* qp) {
   const uint16_t* q = static_cast<const uint16_t*>(p.q) + tile.batch * p.q_stride[0] +
@@ -197,7 +208,8 @@ inline void load_query_pairs(const AttentionParams& p, const PairLayout& l, cons
   }
 }
 
-// Online softmax of one key tile (like softmax_update) that writes P as bfloat16 pairs.
+// Online softmax of one key tile (like softmax_update, sharing its first half,
+// softmax_rescale) that writes P as bfloat16 pairs.
 // `score_scale` is the factor still to apply to S^T: 1 when the caller already scaled it (it
 // must when an additive mask was added), else p.scale (> 0), which then costs nothing extra:
 // max(scale * s) = scale * max(s), and exp(s * scale - m) is one FMA like exp(s - m).
@@ -205,31 +217,10 @@ template <int Vecs>
 void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t keys,
                           float score_scale, PairScratch& ws) {
   const int64_t ld = l.block_q;
-  float* st = ws.f32.st;
-  Vec m_tile[Vecs], shift[Vecs], sum[Vecs];
-#pragma GCC unroll 4
-  for (int v = 0; v < Vecs; ++v) m_tile[v] = splat(kNegInf);
-  for (int64_t j = 0; j < keys; ++j) {
-#pragma GCC unroll 4
-    for (int v = 0; v < Vecs; ++v)
-      m_tile[v] = max_ignoring_nan(load(st + j * ld + v * kLanes), m_tile[v]);
-  }
+  const float* st = ws.f32.st;
+  Vec shift[Vecs], sum[Vecs];
+  softmax_rescale<Vecs, true>(p, ld, keys, st, score_scale, ws.f32, shift, sum);
   const Vec factor = splat(score_scale);
-#pragma GCC unroll 4
-  for (int v = 0; v < Vecs; ++v) {
-    m_tile[v] *= factor;  // -inf stays -inf: factor > 0
-    const Vec m_old = load(ws.f32.m + v * kLanes);
-    const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
-    shift[v] = m_new == kNegInf ? splat(0.0f) : m_new;
-    const Vec alpha = exp_nonpositive(m_old - shift[v]);
-    store(ws.f32.m + v * kLanes, m_new);
-    store(ws.f32.l + v * kLanes, load(ws.f32.l + v * kLanes) * alpha);
-    for (int64_t c = 0; c < p.head_dim_v; ++c) {
-      float* o = ws.f32.ot + c * ld + v * kLanes;
-      store(o, load(o) * alpha);
-    }
-    sum[v] = splat(0.0f);
-  }
   int64_t j = 0;
   for (; j + 1 < keys; j += 2) {
 #pragma GCC unroll 4
@@ -286,60 +277,52 @@ inline void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l,
           ws.pp + i0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.f32.ot, ld);
     }
   }
-  Tiling t{};
-  t.block_q = l.block_q;
+  Tiling t{};  // write_output reads only schedule.block_q
+  t.schedule.block_q = l.block_q;
   write_output<BFloat16>(p, tile, t, ws.f32);
 }
 
-inline void attention_forward_bf16_pairs(const AttentionParams& p) {
-  if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t pairs = p.batch * p.heads_kv;
-  const int64_t max_tasks = p.batch * p.heads_q * ceil_div(p.len_q, kLanes);
-  const int threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_tasks));
-  const PairLayout l = choose_pair_layout(p, threads);
-  const int64_t q_tiles = ceil_div(p.len_q, l.block_q);
-  const int64_t k_tiles = ceil_div(p.len_k, l.block_k);
+// ---------------------------------------------------------------- family traits
+// The vdpbf16ps family for run_forward (forward_driver_impl.h); bfloat16 tensors only.
+struct Bf16PairFamily {
+  // The thread clamp counts tasks of one vector (16) of queries each.
+  static constexpr int64_t kThreadClampQueries = kLanes;
+  typedef PairPlan Plan;
+  typedef PairScratch Scratch;
 
-  const int64_t chunk_words = l.pairs_per_chunk * l.pair_words;
-  const int64_t per_thread = round_up(pair_scratch_words(p, l), 16);
-  // Words and floats are both 4 bytes: one tracked float allocation holds either.
-  const WorkspaceBuffer packed_buffer(chunk_words);
-  const WorkspaceBuffer scratch_buffer(per_thread * threads);
-  uint32_t* packed = reinterpret_cast<uint32_t*>(packed_buffer.data());
-  float* scratch = scratch_buffer.data();
-
-#pragma omp parallel num_threads(threads)
-  {
-    PairScratch ws = carve_pair_scratch(p, l, scratch + per_thread * omp_get_thread_num());
-    for (int64_t first = 0; first < pairs; first += l.pairs_per_chunk) {
-      const int64_t chunk_pairs = min_i64(l.pairs_per_chunk, pairs - first);
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < chunk_pairs * k_tiles; ++item) {
-        const int64_t local = item / k_tiles, tile = item % k_tiles;
-        const int64_t k0 = tile * l.block_k, count = min_i64(l.block_k, p.len_k - k0);
-        pack_pair_rows(p, l, first + local, k0, count, packed + local * l.pair_words);
-      }
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
-        const QueryTask task = query_task(p, first, index, q_tiles, l.block_q);
-        const QueryTile& tile = task.tile;
-        const uint32_t* vp = packed + task.local * l.pair_words;
-        const UnalignedWord* k;
-        int64_t k_row_words;
-        if (l.k_in_place) {
-          k = reinterpret_cast<const UnalignedWord*>(static_cast<const uint16_t*>(p.k) +
-                                                     tile.batch * p.k_stride[0] +
-                                                     task.hkv * p.k_stride[1]);
-          k_row_words = p.k_stride[2] / 2;
-        } else {
-          k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * p.head_dim_v);
-          k_row_words = l.k_words;
-        }
-        run_query_tile_pairs(p, l, k, k_row_words, vp, tile, ws);
-      }
-    }
+  static Plan make_plan(const AttentionParams& p, int threads) { return plan_pairs(p, threads); }
+  static Scratch enter_thread(const AttentionParams& p, const Plan& plan, float* scratch) {
+    return carve_pair_scratch(plan.layout, p.head_dim_v, scratch);
   }
+  static void leave_thread(Scratch&) {}
+  // Keys of tile `key_tile` (block_k of them, an even number) into the pair's packed words.
+  static void pack(const AttentionParams& p, const Plan& plan, int64_t pair, int64_t key_tile,
+                   float* pair_pack) {
+    const PairLayout& l = plan.layout;
+    const int64_t k0 = key_tile * l.block_k, count = min_i64(l.block_k, p.len_k - k0);
+    pack_pair_rows(p, l, pair, k0, count, reinterpret_cast<uint32_t*>(pair_pack));
+  }
+  static void run(const AttentionParams& p, const Plan& plan, const QueryTask& task,
+                  const float* pair_pack, Scratch& ws) {
+    const PairLayout& l = plan.layout;
+    const uint32_t* vp = reinterpret_cast<const uint32_t*>(pair_pack);
+    const UnalignedWord* k;
+    int64_t k_row_words;
+    if (l.k_in_place) {
+      k = reinterpret_cast<const UnalignedWord*>(static_cast<const uint16_t*>(p.k) +
+                                                 task.tile.batch * p.k_stride[0] +
+                                                 task.hkv * p.k_stride[1]);
+      k_row_words = p.k_stride[2] / 2;
+    } else {
+      k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * p.head_dim_v);
+      k_row_words = l.k_words;
+    }
+    run_query_tile_pairs(p, l, k, k_row_words, vp, task.tile, ws);
+  }
+};
+
+inline void attention_forward_bf16_pairs(const AttentionParams& p) {
+  run_forward<Bf16PairFamily>(p);
 }
 
 }  // namespace

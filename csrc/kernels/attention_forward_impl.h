@@ -1,4 +1,6 @@
-// ISA-neutral tiled (flash-style) attention forward kernel.
+// ISA-neutral tiled (flash-style) attention forward kernel: the float32-compute family
+// (float32, and bfloat16/float16 widened to float32), TiledFamily<T>, run by the shared driver
+// of forward_driver_impl.h.
 //
 // This header is compiled once per ISA: each csrc/kernels/attention_forward_<isa>.cpp defines
 // NPU_ATTN_VEC_BYTES (16, 32 or 64), is built with its own -m flags, and includes this file.
@@ -16,9 +18,9 @@
 // need no padding to the vector width (40, 59, 72, 80 waste no FMA lanes), and K and V are
 // read as ordinary rows (broadcast operands), never transposed.
 //
-//   for a chunk of (batch, kv-head) pairs:
-//     pack K and V rows of each pair contiguously (any input strides)
-//     parallel over (pair, q-head of its GQA group, query tile):
+//   for a chunk of (batch, kv-head) pairs:                              (run_forward)
+//     pack K and V rows of each pair contiguously (any input strides)   (TiledFamily::pack)
+//     parallel over (pair, q-head of its GQA group, query tile):        (TiledFamily::run)
 //       for each key tile:  S^T = K Q^T;  mask/causal;  online softmax;  O^T = a*O^T + V^T P^T
 //       out = O / l,  lse = m + log(l)
 // Workspace: O(block_k * block_q + len_k * head_dim) per chunk; nothing grows with
@@ -27,59 +29,97 @@
 #error "define NPU_ATTN_VEC_BYTES before including attention_forward_impl.h"
 #endif
 
-#include <omp.h>
-
 #include <cstdint>
 
 #include "../attention_params.h"
-#include "../workspace.h"
+#include "forward_driver_impl.h"
 #include "vec_impl.h"
 
 namespace npu_attn {
 namespace {
 
-// ---------------------------------------------------------------- blocking
-constexpr int kMaxBlockQ = 64;                       // queries per task at most
-constexpr int kTileQueryVecs = kMaxBlockQ / kLanes;  // vectors spanning a full query tile
-constexpr int kPvKeyChunk = 128;  // keys per P*V pass: keeps the S^T and V chunks near L1
+// ---------------------------------------------------------------- blocking rules
+// The tile plan of the float32-compute kernel, also used by the vdpbf16ps kernel
+// (attention_forward_bf16_impl.h), whose S^T tile and task shape are the same. Only the plan
+// functions (plan_tiled, plan_pairs) read these; change a tile plan there.
 
-// ---------------------------------------------------------------- tiling
+// Keys per tile: the S^T tile (kKeyTile x kMaxQueryTile floats, 128 KiB) stays in L2 next to
+// the K and V rows it is computed from.
+constexpr int64_t kKeyTile = 512;
+// Queries per task: 64 amortise streaming K and V through the key loop...
+constexpr int64_t kMaxQueryTile = 64;
+// ...halved while there would be fewer than kTasksPerThread tasks per thread (small
+// batch * heads, short sequences), so every thread stays busy and the dynamic schedule has
+// spare tasks to balance uneven ones (causal), but never below kMinQueryTile: one AVX-512
+// vector of queries; every task streams all of K and V, so smaller tiles stream them more often.
+constexpr int64_t kMinQueryTile = 16;
+constexpr int64_t kTasksPerThread = 4;
+// Packed K/V of one chunk of (batch, kv-head) pairs: as many pairs as fit in 32 MiB (fewer
+// barriers for short sequences, bounded memory for long ones).
+constexpr int64_t kPackBudgetBytes = int64_t{32} << 20;
+// Keys per P*V pass inside a key tile: keeps the S^T and V chunks near L1.
+constexpr int kPvKeyChunk = 128;
+
+static_assert(kMinQueryTile % kLanes == 0 && kMaxQueryTile % kMinQueryTile == 0,
+              "query tiles are whole vectors, and halving kMaxQueryTile reaches kMinQueryTile");
+constexpr int kTileQueryVecs = kMaxQueryTile / kLanes;  // vectors spanning a full query tile
+
+// Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
+int64_t query_tile_for(const AttentionParams& p, int threads) {
+  const int64_t heads_rows = p.batch * p.heads_q;
+  int64_t block_q = kMaxQueryTile;
+  while (block_q > kMinQueryTile &&
+         heads_rows * ceil_div(p.len_q, block_q) < kTasksPerThread * threads) {
+    block_q /= 2;
+  }
+  return block_q;
+}
+
+// ---------------------------------------------------------------- plan
 struct Tiling {
-  int64_t block_q;  // queries per task, multiple of kLanes, <= kMaxBlockQ
-  int64_t block_k;  // keys per tile
-  int64_t num_k_tiles;
-  bool pack_kv;         // copy K/V rows first (only when a head dim is not contiguous)
-  int64_t pair_floats;  // packed K + V floats for one (batch, kv-head) pair (0 if not packing)
-  int64_t pairs_per_chunk;
+  ForwardSchedule schedule;  // block_q: queries per task, a multiple of kLanes
+  int64_t block_k;           // keys per tile
+  bool pack_kv;  // copy K/V rows first (16-bit types, or a head dim that is not contiguous)
 };
 
+// One thread's scratch, carved from schedule.scratch_floats floats.
+struct ThreadScratch {
+  float* qt;  // head_dim x block_q: scaled Q^T, zero in padding lanes
+  float* st;  // block_k x block_q: S^T, then P^T
+  float* ot;  // head_dim_v x block_q: running O^T
+  float* m;   // block_q: running max
+  float* l;   // block_q: running sum
+};
+
+int64_t scratch_floats(const AttentionParams& p, int64_t block_q, int64_t block_k) {
+  return block_q * (p.head_dim + block_k + p.head_dim_v + 2);
+}
+
+ThreadScratch carve_scratch(const AttentionParams& p, const Tiling& t, float* base) {
+  const int64_t block_q = t.schedule.block_q;
+  ThreadScratch ws{};
+  ws.qt = base;
+  ws.st = ws.qt + p.head_dim * block_q;
+  ws.ot = ws.st + t.block_k * block_q;
+  ws.m = ws.ot + p.head_dim_v * block_q;
+  ws.l = ws.m + block_q;
+  return ws;
+}
+
+// The plan of the float32-compute kernel: every blocking decision for one call.
 template <typename T>
-Tiling choose_tiling(const AttentionParams& p, int threads) {
+Tiling plan_tiled(const AttentionParams& p, int threads) {
   Tiling t{};
-  // S^T tile (block_k x block_q floats, 128 KiB) stays in L2 next to the K and V rows.
-  t.block_k = min_i64(512, max_i64(p.len_k, 1));
-  t.num_k_tiles = ceil_div(p.len_k, t.block_k);
+  ForwardSchedule& s = t.schedule;
+  t.block_k = min_i64(kKeyTile, max_i64(p.len_k, 1));
   // The kernels read float32 K and V as rows with unit stride along the head dim; only other
   // layouts (e.g. a transposed view) and 16-bit types (converted once here) need a packed copy.
   t.pack_kv = !__is_same(T, float) || p.k_stride[3] != 1 || p.v_stride[3] != 1;
-  t.pair_floats = t.pack_kv ? p.len_k * (p.head_dim + p.head_dim_v) : 0;
-
-  // 64 queries amortise streaming K and V; fewer when there would be too few tasks to keep
-  // every thread busy (small batch*heads, short sequences).
-  const int64_t heads_rows = p.batch * p.heads_q;
-  t.block_q = kMaxBlockQ;
-  while (t.block_q > kLanes && t.block_q > 16 &&
-         heads_rows * ceil_div(p.len_q, t.block_q) < 4 * threads) {
-    t.block_q /= 2;
-  }
-  t.block_q = round_up(t.block_q, kLanes);
-
-  // Pack as many pairs at once as fit in a 32 MiB budget: fewer barriers for short sequences,
-  // bounded memory for long ones.
-  const int64_t budget_floats = (int64_t{32} << 20) / 4;
-  const int64_t pairs = p.batch * p.heads_kv;
-  t.pairs_per_chunk =
-      t.pack_kv ? max_i64(1, min_i64(pairs, budget_floats / max_i64(t.pair_floats, 1))) : pairs;
+  s.block_q = query_tile_for(p, threads);
+  s.pack_tiles = t.pack_kv ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
+  s.pair_floats = t.pack_kv ? p.len_k * (p.head_dim + p.head_dim_v) : 0;
+  s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
+  s.scratch_floats = scratch_floats(p, s.block_q, t.block_k);
   return t;
 }
 
@@ -100,62 +140,24 @@ void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim
   }
 }
 
+// Keys [tile * block_k, + block_k) of one (batch, kv-head) pair: K rows to k_rows (len_k rows
+// of head_dim floats), then V rows after them (len_k rows of head_dim_v).
+template <typename T>
+void pack_key_tile(const AttentionParams& p, const Tiling& t, int64_t pair, int64_t tile,
+                   float* k_rows) {
+  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+  const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
+  float* v_rows = k_rows + p.len_k * p.head_dim;
+  pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
+            p.k_stride[3], p.head_dim, k0, count, k_rows);
+  pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2],
+            p.v_stride[3], p.head_dim_v, k0, count, v_rows);
+}
+
 // ---------------------------------------------------------------- micro-kernels
 // The two products of a key tile use the shared register-blocked kernel (vec_impl.h):
 //   S^T[j][q] = sum_d K[j][d] * Q^T[d][q]       broadcast_fma<kRowMajor, false> (A = K rows)
 //   O^T[c][q] += sum_j V[j][c] * P^T[j][q]      broadcast_fma<kColMajor, true>  (A = V columns)
-
-// ---------------------------------------------------------------- one task
-struct ThreadScratch {
-  float* qt;  // head_dim x block_q: scaled Q^T, zero in padding lanes
-  float* st;  // block_k x block_q: S^T, then P^T
-  float* ot;  // head_dim_v x block_q: running O^T
-  float* m;   // block_q: running max
-  float* l;   // block_q: running sum
-};
-
-int64_t scratch_floats(const AttentionParams& p, const Tiling& t) {
-  return t.block_q * (p.head_dim + t.block_k + p.head_dim_v + 2);
-}
-
-ThreadScratch carve_scratch(const AttentionParams& p, const Tiling& t, float* base) {
-  ThreadScratch ws{};
-  ws.qt = base;
-  ws.st = ws.qt + p.head_dim * t.block_q;
-  ws.ot = ws.st + t.block_k * t.block_q;
-  ws.m = ws.ot + p.head_dim_v * t.block_q;
-  ws.l = ws.m + t.block_q;
-  return ws;
-}
-
-struct QueryTile {
-  int64_t batch, head, q0, rows, vecs;  // vecs = ceil(rows / kLanes)
-};
-
-// Task `index` of a chunk of (batch, kv-head) pairs starting at pair `first`: every
-// (pair, q-head of its GQA group, query tile of block_q) is one task. `local` is the pair's
-// position in the chunk (where its packed K/V live). Shared by every forward driver.
-struct QueryTask {
-  QueryTile tile;
-  int64_t local;
-  int64_t hkv;
-};
-
-QueryTask query_task(const AttentionParams& p, int64_t first, int64_t index, int64_t q_tiles,
-                     int64_t block_q) {
-  const int64_t group = p.heads_q / p.heads_kv;
-  QueryTask t{};
-  t.local = index / (group * q_tiles);
-  const int64_t rest = index % (group * q_tiles);
-  const int64_t pair = first + t.local;
-  t.hkv = pair % p.heads_kv;
-  t.tile.batch = pair / p.heads_kv;
-  t.tile.head = t.hkv * group + rest / q_tiles;
-  t.tile.q0 = (rest % q_tiles) * block_q;
-  t.tile.rows = min_i64(block_q, p.len_q - t.tile.q0);
-  t.tile.vecs = ceil_div(t.tile.rows, kLanes);
-  return t;
-}
 
 // ---------------------------------------------------------------- block transpose
 // Shuffle masks for one stage of an in-register kLanes x kLanes transpose: with distance d,
@@ -216,12 +218,13 @@ void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& q
         Vec r[kLanes];
         for (int i = 0; i < kLanes; ++i) r[i] = load_as_float(q_rows + (i0 + i) * si + d_done);
         transpose_block(r);
-        for (int d = 0; d < kLanes; ++d) store(qt + (d_done + d) * t.block_q + i0, r[d] * scale);
+        for (int d = 0; d < kLanes; ++d)
+          store(qt + (d_done + d) * t.schedule.block_q + i0, r[d] * scale);
       }
     }
   }
   for (int64_t d = d_done; d < p.head_dim; ++d) {
-    float* row = qt + d * t.block_q;
+    float* row = qt + d * t.schedule.block_q;
     const T* src = q_rows + d * sd;
     for (int64_t i = 0; i < qt_tile.rows; ++i) row[i] = to_float(src[i * si]) * p.scale;
     for (int64_t i = qt_tile.rows; i < lanes; ++i) row[i] = 0.0f;
@@ -266,23 +269,34 @@ void apply_causal(const QueryTile& tile, int64_t k0, int64_t keys, float* st, in
   }
 }
 
-// Online softmax over one key tile of S^T, one lane per query, turning S^T into P^T in place
-// and rescaling the running O^T and sum by alpha = exp(m_old - m_new). Templated on the number
-// of query vectors so the per-vector state lives in registers.
-template <int Vecs>
-void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, ThreadScratch& ws) {
-  const int64_t ld = t.block_q;
-  Vec m_tile[Vecs], shift[Vecs], sum[Vecs];
+// Online softmax, first half, shared by the float32 kernel (softmax_update) and the bfloat16
+// pair kernels (softmax_update_pairs): each query's max over the tile's keys of S^T (times
+// `score_scale` when Scaled), the new running max m, and the running O^T and sum l rescaled by
+// alpha = exp(m_old - m_new); `shift` gets what the exponentials subtract and `sum` is zeroed
+// for them. Always inlined into both, so each compiles to the instructions it had when it held
+// these loops itself (checked on the objects: the same instruction mix, up to register
+// allocation).
+// The second half (exponentials and their sum) is not shared: the float32 kernel writes P^T in
+// place over S^T as float32 (one row per key), the pair kernels write it to a separate buffer as
+// bfloat16 key pairs (one row per two keys, the vdpbf16ps/AMX operand layout), so the loops over
+// keys, the stores and the odd-key tail all differ.
+template <int Vecs, bool Scaled>
+NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, int64_t keys,
+                                         const float* st, float score_scale, ThreadScratch& ws,
+                                         Vec (&shift)[Vecs], Vec (&sum)[Vecs]) {
+  Vec m_tile[Vecs];
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v) m_tile[v] = splat(kNegInf);
   // Max over keys, skipping NaN (a NaN score still reaches the output through exp).
   for (int64_t j = 0; j < keys; ++j) {
 #pragma GCC unroll 16
     for (int v = 0; v < Vecs; ++v)
-      m_tile[v] = max_ignoring_nan(load(ws.st + j * ld + v * kLanes), m_tile[v]);
+      m_tile[v] = max_ignoring_nan(load(st + j * ld + v * kLanes), m_tile[v]);
   }
+  const Vec factor = splat(score_scale);
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v) {
+    if constexpr (Scaled) m_tile[v] *= factor;  // -inf stays -inf: factor > 0
     const Vec m_old = load(ws.m + v * kLanes);
     const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
     // Queries whose keys are all masked so far have m = -inf; shifting by 0 keeps their
@@ -297,6 +311,15 @@ void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, Thr
     }
     sum[v] = splat(0.0f);
   }
+}
+
+// Online softmax over one key tile of S^T, one lane per query, turning S^T into P^T in place
+// and rescaling the running O^T and sum by alpha = exp(m_old - m_new). Templated on the number
+// of query vectors so the per-vector state lives in registers.
+template <int Vecs>
+void softmax_update(const AttentionParams& p, int64_t ld, int64_t keys, ThreadScratch& ws) {
+  Vec shift[Vecs], sum[Vecs];
+  softmax_rescale<Vecs, false>(p, ld, keys, ws.st, 1.0f, ws, shift, sum);
   for (int64_t j = 0; j < keys; ++j) {
 #pragma GCC unroll 16
     for (int v = 0; v < Vecs; ++v) {
@@ -310,6 +333,11 @@ void softmax_update(const AttentionParams& p, const Tiling& t, int64_t keys, Thr
   for (int v = 0; v < Vecs; ++v) store(ws.l + v * kLanes, load(ws.l + v * kLanes) + sum[v]);
 }
 
+// Takes the Tiling (of which it reads only schedule.block_q, the leading dimension of O^T) and
+// reads it at every use, like load_scaled_queries_transposed: GCC then compiles both as before
+// the driver refactor. With the leading dimension passed by value it kept it in a register and
+// spilled more in the unrolled transposes (bfloat16 write_output: 1140 instead of 985
+// instructions).
 template <typename T>
 void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
                   const ThreadScratch& ws) {
@@ -325,7 +353,8 @@ void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling&
     for (; c_done + kLanes <= p.head_dim_v; c_done += kLanes) {
       for (int64_t i0 = 0; i0 < tile.rows; i0 += kLanes) {
         Vec r[kLanes];
-        for (int c = 0; c < kLanes; ++c) r[c] = load(ws.ot + (c_done + c) * t.block_q + i0);
+        for (int c = 0; c < kLanes; ++c)
+          r[c] = load(ws.ot + (c_done + c) * t.schedule.block_q + i0);
         transpose_block(r);
         for (int i = 0; i < kLanes; ++i) {
           store_from_float(out_rows + (i0 + i) * si + c_done, r[i] * splat(ws.l[i0 + i]));
@@ -336,7 +365,7 @@ void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling&
   for (int64_t i = 0; i < tile.rows; ++i) {
     T* dst = out_rows + i * si;
     for (int64_t c = c_done; c < p.head_dim_v; ++c) {
-      dst[c * sc] = from_float<T>(ws.ot[c * t.block_q + i] * ws.l[i]);
+      dst[c * sc] = from_float<T>(ws.ot[c * t.schedule.block_q + i] * ws.l[i]);
     }
   }
   if (p.lse != nullptr) {
@@ -359,7 +388,7 @@ struct KeyValueRows {
 template <typename T>
 void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRows& kv,
                     const QueryTile& tile, ThreadScratch& ws) {
-  const int64_t ld = t.block_q;
+  const int64_t ld = t.schedule.block_q;
   load_scaled_queries_transposed<T>(p, tile, t, ws.qt);
   for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
     ws.m[i] = kNegInf;
@@ -378,7 +407,7 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
     if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
     if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
     with_count<kTileQueryVecs>(
-        tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, t, keys, ws); });
+        tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, ld, keys, ws); });
     // O^T (Dv x queries) += V_tile^T (Dv x keys) * P^T (keys x queries), in L1-sized key chunks
     for (int64_t j0 = 0; j0 < keys; j0 += kPvKeyChunk) {
       const int64_t chunk = min_i64(kPvKeyChunk, keys - j0);
@@ -390,76 +419,52 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
   write_output<T>(p, tile, t, ws);
 }
 
-// ---------------------------------------------------------------- driver
+// ---------------------------------------------------------------- family traits
+// K and V rows of one (batch, kv-head) pair: the packed copy, or float32 read in place.
 KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* packed,
-                       int64_t pair) {
-  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+                       const QueryTask& task) {
   if (t.pack_kv) return {packed, p.head_dim, packed + p.len_k * p.head_dim, p.head_dim_v};
-  // Only float32 is read in place (choose_tiling packs every other type).
+  // Only float32 is read in place (plan_tiled packs every other type).
+  const int64_t b = task.tile.batch, hkv = task.hkv;
   const float* k = static_cast<const float*>(p.k);
   const float* v = static_cast<const float*>(p.v);
   return {k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
           v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2]};
 }
 
+// The float32-compute family for run_forward (forward_driver_impl.h): T is the element type of
+// the tensors (float, BFloat16 or _Float16); everything is computed in float32.
 template <typename T>
-void attention_forward_typed(const AttentionParams& p) {
-  if (p.batch == 0 || p.heads_q == 0 || p.len_q == 0) return;
-  const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t pairs = p.batch * p.heads_kv;
-  const int64_t max_tasks = p.batch * p.heads_q * ceil_div(p.len_q, kLanes);
-  const int threads = static_cast<int>(min_i64(max_i64(p.num_threads, 1), max_tasks));
-  const Tiling t = choose_tiling<T>(p, threads);
-  const int64_t q_tiles = ceil_div(p.len_q, t.block_q);
+struct TiledFamily {
+  // The thread clamp counts tasks of one vector of queries each (plan_tiled's tiles are
+  // larger; the count only caps the thread count).
+  static constexpr int64_t kThreadClampQueries = kLanes;
+  typedef Tiling Plan;
+  typedef ThreadScratch Scratch;
 
-  // All workspace is allocated here, outside the parallel region, so an allocation failure
-  // surfaces as std::bad_alloc to the caller instead of terminating inside OpenMP.
-  const int64_t chunk_floats = t.pairs_per_chunk * t.pair_floats;
-  const int64_t per_thread = round_up(scratch_floats(p, t), 16);
-  const WorkspaceBuffer packed_buffer(chunk_floats);
-  const WorkspaceBuffer scratch_buffer(per_thread * threads);
-  float* packed = packed_buffer.data();
-  float* scratch = scratch_buffer.data();
-
-#pragma omp parallel num_threads(threads)
-  {
-    ThreadScratch ws = carve_scratch(p, t, scratch + per_thread * omp_get_thread_num());
-    for (int64_t first = 0; first < pairs; first += t.pairs_per_chunk) {
-      const int64_t chunk_pairs = min_i64(t.pairs_per_chunk, pairs - first);
-      // Phase 1 (non-contiguous head dims only): pack the K and V rows of the chunk's pairs.
-#pragma omp for schedule(static)
-      for (int64_t item = 0; item < (t.pack_kv ? chunk_pairs * t.num_k_tiles : 0); ++item) {
-        const int64_t local = item / t.num_k_tiles, tile = item % t.num_k_tiles;
-        const int64_t pair = first + local;
-        const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
-        const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
-        float* k_rows = packed + local * t.pair_floats;
-        float* v_rows = k_rows + p.len_k * p.head_dim;
-        pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1],
-                  p.k_stride[2], p.k_stride[3], p.head_dim, k0, count, k_rows);
-        pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1],
-                  p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, v_rows);
-      }
-      // Phase 2: every (pair, q-head of its group, query tile) is an independent task.
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
-        const QueryTask task = query_task(p, first, index, q_tiles, t.block_q);
-        const KeyValueRows kv =
-            pair_rows(p, t, packed + task.local * t.pair_floats, first + task.local);
-        run_query_tile<T>(p, t, kv, task.tile, ws);
-      }
-    }
+  static Plan make_plan(const AttentionParams& p, int threads) { return plan_tiled<T>(p, threads); }
+  static Scratch enter_thread(const AttentionParams& p, const Plan& t, float* scratch) {
+    return carve_scratch(p, t, scratch);
   }
-}
+  static void leave_thread(Scratch&) {}
+  static void pack(const AttentionParams& p, const Plan& t, int64_t pair, int64_t key_tile,
+                   float* pair_pack) {
+    pack_key_tile<T>(p, t, pair, key_tile, pair_pack);
+  }
+  static void run(const AttentionParams& p, const Plan& t, const QueryTask& task,
+                  const float* pair_pack, Scratch& ws) {
+    run_query_tile<T>(p, t, pair_rows(p, t, pair_pack, task), task.tile, ws);
+  }
+};
 
 void attention_forward_tiled(const AttentionParams& p) {
   switch (p.element) {
     case ElementType::kFloat32:
-      return attention_forward_typed<float>(p);
+      return run_forward<TiledFamily<float>>(p);
     case ElementType::kBFloat16:
-      return attention_forward_typed<BFloat16>(p);
+      return run_forward<TiledFamily<BFloat16>>(p);
     case ElementType::kFloat16:
-      return attention_forward_typed<_Float16>(p);
+      return run_forward<TiledFamily<_Float16>>(p);
   }
 }
 
