@@ -85,10 +85,6 @@ NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
   return x < lowest ? splat(0.0f) : y;
 }
 
-inline float exp_scalar(float x) {
-  return __builtin_expf(x);
-}
-
 NPU_ATTN_VEC_INLINE int64_t min_i64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
