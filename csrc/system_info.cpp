@@ -167,6 +167,12 @@ CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled)
                                   cpu_feature_choices());
     }
   }
+  // A hidden base feature hides the extensions built on it, as on a real CPU: no AVX2 or no
+  // AVX-512 F means no AVX-512 extensions and no AMX either.
+  if (!features.avx2 || !features.avx512f) {
+    features.avx512f = features.avx512bw = features.avx512vl = features.avx512dq = false;
+    features.avx512_bf16 = features.amx_tile = features.amx_bf16 = false;
+  }
   return features;
 }
 

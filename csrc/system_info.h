@@ -22,7 +22,8 @@ struct CpuFeatures {
 std::string cpu_feature_choices();
 
 // `features` with the comma-separated names in `disabled` turned off (e.g. "amx_bf16,avx512f"),
-// to emulate a smaller CPU. Throws std::invalid_argument naming an unknown feature.
+// to emulate a smaller CPU; hiding avx2 or avx512f also hides the AVX-512 extensions and AMX.
+// Throws std::invalid_argument naming an unknown feature.
 CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled);
 
 // This machine's features, detected on first use, minus the ones named in the environment

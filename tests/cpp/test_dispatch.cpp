@@ -90,6 +90,14 @@ TEST(EmulatedCpu, Avx2OnlyCpu) {
 }
 #endif
 
+TEST(EmulatedCpu, HidingABaseFeatureHidesItsExtensions) {
+  for (const char* base : {"avx512f", "avx2"}) {
+    const CpuFeatures f = mask_cpu_features(every_feature(), base);
+    EXPECT_FALSE(f.avx512f || f.avx512bw || f.avx512_bf16 || f.amx_tile || f.amx_bf16) << base;
+  }
+  EXPECT_TRUE(mask_cpu_features(every_feature(), "amx_tile").avx512_bf16);
+}
+
 TEST(EmulatedCpu, UnknownFeatureNameIsAnErrorNamingIt) {
   try {
     mask_cpu_features(every_feature(), "avx2, avx9000");
