@@ -51,6 +51,13 @@ def demo_table(results: Path) -> list[str]:
     return out
 
 
+def e2e_table(report: Path) -> list[str]:
+    """The end-to-end table (python -m npu_attn bench --e2e --json ...)."""
+    from npu_attn.bench_e2e import markdown
+
+    return markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
+
+
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     full = table_lines(root / "full.log")
@@ -61,6 +68,8 @@ def main() -> int:
 
     bf16, fp16 = rows_and_mean("bf16.log"), rows_and_mean("fp16.log")
     bwd, bwd_bf16 = rows_and_mean("bwd.log"), rows_and_mean("bwd_bf16.log")
+    e2e = e2e_table(root / "e2e_bf16.json")
+    e2e_fp32 = e2e_table(root / "e2e_fp32.json")
     demo = demo_table(root / "demo_sd15_fp32" / "results.json")
     demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
     text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
@@ -72,6 +81,8 @@ def main() -> int:
         ("BWD", bwd),
         ("BWD_BF16", bwd_bf16),
         ("DEMO", demo),
+        ("E2E_BF16", e2e),
+        ("E2E_FP32", e2e_fp32),
         ("DEMO_BF16", demo_bf16),
     ):
         text = text.replace(f"{{{key}}}", "\n".join(lines))

@@ -16,7 +16,13 @@ NPU_ATTN_DTYPE=float32 "$PY" -m npu_attn demo --steps 3 --out bench_out/demo_sd1
   > bench_out/demo_sd15_fp32.log
 NPU_ATTN_DTYPE=bfloat16 "$PY" -m npu_attn demo --steps 3 --out bench_out/demo_sd15_bf16 \
   > bench_out/demo_sd15_bf16.log
+"$PY" -m npu_attn bench --e2e --dtype bfloat16 --repeats 3 --json bench_out/e2e_bf16.json \
+  --plot bench_out/e2e_bf16.png > bench_out/e2e_bf16.log
+"$PY" -m npu_attn bench --e2e --dtype float32 --repeats 3 --json bench_out/e2e_fp32.json \
+  --plot bench_out/e2e_fp32.png > bench_out/e2e_fp32.log
 mkdir -p docs/benchmarks
+cp bench_out/e2e_fp32.png docs/benchmarks/e2e_fp32.png
+cp bench_out/e2e_bf16.png docs/benchmarks/e2e_bf16.png
 cp bench_out/bench_time.png bench_out/bench_memory.png docs/benchmarks/
 cp bench_out/demo_sd15_fp32/strategies.png docs/benchmarks/demo_strategies.png
 cp bench_out/demo_sd15_bf16/strategies.png docs/benchmarks/demo_strategies_bf16.png
