@@ -58,6 +58,13 @@ def e2e_table(report: Path) -> list[str]:
     return markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
 
 
+def images_table(report: Path) -> list[str]:
+    """Seconds per image with Token Merging / DeepCache (bench --e2e --images N --json ...)."""
+    from npu_attn.bench_e2e import images_markdown
+
+    return images_markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
+
+
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     full = table_lines(root / "full.log")
@@ -70,6 +77,7 @@ def main() -> int:
     bwd, bwd_bf16 = rows_and_mean("bwd.log"), rows_and_mean("bwd_bf16.log")
     e2e = e2e_table(root / "e2e_bf16.json")
     e2e_fp32 = e2e_table(root / "e2e_fp32.json")
+    images = images_table(root / "images_bf16.json")
     demo = demo_table(root / "demo_sd15_fp32" / "results.json")
     demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
     text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
@@ -83,6 +91,7 @@ def main() -> int:
         ("DEMO", demo),
         ("E2E_BF16", e2e),
         ("E2E_FP32", e2e_fp32),
+        ("IMAGES_BF16", images),
         ("DEMO_BF16", demo_bf16),
     ):
         text = text.replace(f"{{{key}}}", "\n".join(lines))

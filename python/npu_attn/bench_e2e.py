@@ -163,6 +163,114 @@ def run(args) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- whole images
+# (label, attention strategy, Token Merging ratio, DeepCache interval); the first is the baseline.
+IMAGE_CONFIGS = (
+    ("sdpa (diffusers default)", "sdpa", None, None),
+    ("tiled", "tiled", None, None),
+    ("ToMe 0.5", "sdpa", 0.5, None),
+    ("DeepCache 3", "sdpa", None, 3),
+    ("ToMe 0.5 + DeepCache 3", "sdpa", 0.5, 3),
+    ("ToMe 0.5 + DeepCache 3 + tiled", "tiled", 0.5, 3),
+)
+
+
+def run_images(args) -> dict:
+    """Seconds per image (``--images N`` denoising steps + VAE decode) of a full-size SD-1.5
+    pipeline under each configuration, interleaved, and each image's distance from the exact
+    baseline image (PSNR, pixels in [0, 1]; lossy methods deviate, exact ones do not)."""
+    import torch
+    from tqdm import tqdm
+
+    from . import _runtime
+    from .acceleration import accelerate, reset_acceleration
+    from .bench_report import machine_info
+    from .demo import MODELS, build_pipeline, psnr_db
+    from .diffusers_integration import reset_attention_strategy, set_attention_strategy
+
+    dtype = getattr(torch, args.dtype)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    _runtime.set_num_threads(threads)
+    pipe = build_pipeline(args.model).to(dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(1234)
+    cross = MODELS[args.model][2]
+    embeds = [torch.randn(1, 77, cross, generator=g).to(dtype) for _ in range(2)]
+
+    def image(config):
+        _, strategy, tome, deep_cache = config
+        reset_acceleration(pipe)
+        if strategy == "sdpa":
+            reset_attention_strategy(pipe)
+        else:
+            set_attention_strategy(pipe, strategy)
+        if tome is not None or deep_cache is not None:
+            accelerate(pipe, token_merging=tome, deep_cache=deep_cache)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = pipe(
+                prompt_embeds=embeds[0],
+                negative_prompt_embeds=embeds[1],
+                num_inference_steps=args.images,
+                height=args.size,
+                width=args.size,
+                output_type="pt",
+                generator=torch.Generator().manual_seed(0),
+            ).images
+        return time.perf_counter() - start, out.float()
+
+    times = {c[0]: [] for c in IMAGE_CONFIGS}
+    images = {}
+    for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
+        for config in IMAGE_CONFIGS:
+            seconds, out = image(config)
+            times[config[0]].append(seconds)
+            images.setdefault(config[0], out)
+    reset_acceleration(pipe)
+    reset_attention_strategy(pipe)
+    baseline = IMAGE_CONFIGS[0][0]
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    return {
+        "machine": machine_info(threads),
+        "model": args.model,
+        "size": args.size,
+        "dtype": args.dtype,
+        "steps": args.images,
+        "repeats": args.repeats,
+        "seconds_per_image": medians,
+        "all_seconds": times,
+        "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
+        "psnr_db_vs_baseline": {
+            n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in images
+        },
+    }
+
+
+def images_markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['threads']} threads; torch {m['torch']}; {m['date']}. "
+        f"{report['model']} pipeline (random weights), {report['size']}x{report['size']}, "
+        f"{report['steps']} steps + VAE decode, CFG, {report['dtype']}; medians of "
+        f"{report['repeats']} interleaved rounds.",
+        "",
+        "| configuration | s / image | vs diffusers default | image PSNR vs default |",
+        "|---|---|---|---|",
+    ]
+    for name, seconds in report["seconds_per_image"].items():
+        psnr = report["psnr_db_vs_baseline"][name]
+        psnr_text = (
+            "reference"
+            if psnr is None
+            else ("identical" if psnr == float("inf") else f"{psnr:.1f} dB")
+        )
+        lines.append(
+            f"| {name} | {seconds:.1f} | {report['speedup_vs_baseline'][name]:.2f}x | {psnr_text} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
@@ -217,9 +325,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, help="threads for every competitor")
     parser.add_argument("--mode", help="torch.compile mode (default: inductor's default)")
     parser.add_argument("--no-openvino", action="store_true", help="skip OpenVINO")
+    parser.add_argument(
+        "--images",
+        type=int,
+        metavar="STEPS",
+        help="instead: seconds per whole image (STEPS steps + decode) of the pipeline with "
+        "Token Merging and DeepCache (lossy) and tiled, against the diffusers default",
+    )
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
+    if args.images:
+        report = run_images(args)
+        print(images_markdown(report))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        return 0
     report = run(args)
     print(markdown(report))
     if args.json:
