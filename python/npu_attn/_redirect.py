@@ -44,20 +44,6 @@ _installed = False
 _traced_route: Optional[SdpaFunction] = None
 
 
-def _call_active(
-    fn,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-):
-    return fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
 def install() -> None:
     """Install the pass-through shim (idempotent, thread-safe)."""
     global _installed
@@ -72,7 +58,7 @@ def install() -> None:
             fn = _traced_route if torch.compiler.is_compiling() else _active.get()
             if fn is None:
                 return original(*args, **kwargs)
-            return _call_active(fn, *args, **kwargs)
+            return fn(*args, **kwargs)  # strategy functions take SDPA's arguments as torch's
 
         _installed = True
         F.scaled_dot_product_attention = scaled_dot_product_attention

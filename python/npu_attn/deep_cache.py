@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .token_merging import ModelFamilyError
+from .token_merging import ModelFamilyError, options_from
 
 __all__ = [
     "DeepCacheOptions",
@@ -76,17 +76,7 @@ class DeepCacheOptions:
     @classmethod
     def of(cls, value: Any) -> DeepCacheOptions:
         """Options from an interval, a mapping of option names, or options."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise TypeError(f"deep_cache got unknown options {unknown}; valid: {sorted(known)}")
-            if "cache_interval" not in value:
-                raise TypeError("deep_cache options need a 'cache_interval'")
-            return cls(**value)
-        return cls(cache_interval=value)
+        return options_from(cls, value, "deep_cache", "cache_interval")
 
     @property
     def block_id(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 
-from . import _C, _counts, _runtime, _variant_choice
+from . import _C, _config, _counts, _runtime, _variant_choice
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -315,8 +315,6 @@ def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool
 
 def _default_backend() -> Optional[str]:
     """The default set with ``set_attention_strategy(None, name)``, when it names a backend."""
-    from . import _config
-
     return _config.explicit_default()
 
 

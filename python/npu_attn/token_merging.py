@@ -104,19 +104,23 @@ class TokenMergingOptions:
     @classmethod
     def of(cls, value: Any) -> TokenMergingOptions:
         """Options from a ratio, a mapping of option names, or options."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise TypeError(
-                    f"token_merging got unknown options {unknown}; valid: {sorted(known)}"
-                )
-            if "ratio" not in value:
-                raise TypeError("token_merging options need a 'ratio'")
-            return cls(**value)
-        return cls(ratio=value)
+        return options_from(cls, value, "token_merging", "ratio")
+
+
+def options_from(cls: type, value: Any, method: str, main: str):
+    """``cls`` (an options dataclass of ``method``) from an instance, a mapping of its field
+    names (``main`` required, unknown names refused), or the value of its ``main`` field."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(f"{method} got unknown options {unknown}; valid: {sorted(known)}")
+        if main not in value:
+            raise TypeError(f"{method} options need a '{main}'")
+        return cls(**value)
+    return cls(**{main: value})
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
