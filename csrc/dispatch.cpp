@@ -1,8 +1,10 @@
 #include "dispatch.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <stdexcept>
 
 #include "kernels/kernels.h"
@@ -10,71 +12,54 @@
 namespace npu_attn {
 namespace {
 
-bool runs_scalar(const CpuFeatures&) {
-  return true;
-}
-bool runs_avx2(const CpuFeatures& f) {
-  return f.avx2 && f.fma && f.f16c;
-}
-bool runs_avx512(const CpuFeatures& f) {
-  return runs_avx2(f) && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
-}
-bool runs_avx512_bf16(const CpuFeatures& f) {
-  return runs_avx512(f) && f.avx512_bf16;
-}
-bool runs_amx_bf16(const CpuFeatures& f) {
-  return runs_avx512_bf16(f) && f.amx_tile && f.amx_bf16;
+// The names in variants.def, compiled or not, indexed by Isa.
+constexpr const char* kIsaNames[] = {
+#define NPU_ATTN_VARIANT(name, ...) #name,
+#include "kernels/variants.def"
+#undef NPU_ATTN_VARIANT
+};
+static_assert(sizeof(kIsaNames) / sizeof(kIsaNames[0]) == kIsaCount);
+
+std::vector<bool CpuFeatures::*> parse_features(const std::string& names) {
+  std::vector<bool CpuFeatures::*> out;
+  std::stringstream list(names);
+  std::string name;
+  while (list >> name) out.push_back(cpu_feature_member(name));
+  return out;
 }
 
-// The variant table: adding a variant is one kernel translation unit (plus its compile flags in
-// CMakeLists.txt) and one row here. forward_kernel is indexed by ElementType (fp32, bf16, fp16).
+// A row's required features: those of the row it builds on (already in `rows`) plus its own.
+std::vector<bool CpuFeatures::*> required_features(const std::vector<KernelVariant>& rows,
+                                                   const std::string& builds_on,
+                                                   const std::string& own) {
+  std::vector<bool CpuFeatures::*> required;
+  if (builds_on != "none") {
+    auto base = std::find_if(rows.begin(), rows.end(),
+                             [&](const KernelVariant& row) { return row.name == builds_on; });
+    if (base == rows.end())
+      throw std::logic_error("variants.def: a variant builds on '" + builds_on +
+                             "', which is not an earlier compiled row");
+    required = base->required;
+  }
+  for (bool CpuFeatures::*feature : parse_features(own)) required.push_back(feature);
+  return required;
+}
+
+// The compiled rows of variants.def, in its order.
 std::vector<KernelVariant> build_table() {
-  std::vector<KernelVariant> rows = {
-      {Isa::kScalar,
-       "scalar",
-       "any CPU (portable C++)",
-       runs_scalar,
-       kernels::attention_forward_scalar,
-       kernels::attention_backward_scalar,
-       kernels::fma_peak_gflops_scalar,
-       {"portable fp32", "portable fp32", "portable fp32"}},
-  };
-#if defined(NPU_ATTN_HAVE_AVX2)
-  rows.push_back({Isa::kAvx2,
-                  "avx2",
-                  "AVX2, FMA, F16C",
-                  runs_avx2,
-                  kernels::attention_forward_avx2,
-                  kernels::attention_backward_avx2,
-                  kernels::fma_peak_gflops_avx2,
-                  {"avx2 fp32 FMA", "avx2 fp32 FMA", "avx2 fp32 FMA"}});
-#endif
-#if defined(NPU_ATTN_HAVE_AVX512)
-  rows.push_back({Isa::kAvx512,
-                  "avx512",
-                  "AVX-512 F/BW/VL/DQ + AVX2, FMA, F16C",
-                  runs_avx512,
-                  kernels::attention_forward_avx512,
-                  kernels::attention_backward_avx512,
-                  kernels::fma_peak_gflops_avx512,
-                  {"avx512 fp32 FMA", "avx512 fp32 FMA", "avx512 fp32 FMA"}});
-  rows.push_back({Isa::kAvx512Bf16,
-                  "avx512_bf16",
-                  "avx512 + AVX512-BF16 (vdpbf16ps)",
-                  runs_avx512_bf16,
-                  kernels::attention_forward_avx512_bf16,
-                  kernels::attention_backward_avx512,
-                  kernels::fma_peak_gflops_avx512,
-                  {"avx512 fp32 FMA", "avx512_bf16 vdpbf16ps", "avx512 fp32 FMA"}});
-  rows.push_back({Isa::kAmxBf16,
-                  "amx_bf16",
-                  "avx512_bf16 + AMX-TILE, AMX-BF16 and the OS's permission to use AMX",
-                  runs_amx_bf16,
-                  kernels::attention_forward_amx_bf16,
-                  kernels::attention_backward_avx512,
-                  kernels::fma_peak_gflops_avx512,
-                  {"avx512 fp32 FMA", "amx_bf16 AMX tiles", "avx512 fp32 FMA"}});
-#endif
+  std::vector<KernelVariant> rows;
+#define NPU_ATTN_VARIANT(name, arch, builds_on, flags, features, needs, forward_from,     \
+                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel) \
+  NPU_ATTN_IF_##arch(rows.push_back({Isa::name,                                           \
+                                     #name,                                               \
+                                     needs,                                               \
+                                     required_features(rows, #builds_on, features),       \
+                                     kernels::attention_forward_##forward_from,           \
+                                     kernels::attention_backward_##backward_from,         \
+                                     kernels::fma_peak_gflops_##peak_from,                \
+                                     {fp32_kernel, bf16_kernel, fp16_kernel}});)
+#include "kernels/variants.def"
+#undef NPU_ATTN_VARIANT
   return rows;
 }
 
@@ -111,22 +96,26 @@ const KernelVariant& kernel_variant(Isa isa) {
                            "' is not compiled into this build");
 }
 
+bool KernelVariant::runs_on(const CpuFeatures& features) const {
+  return std::all_of(required.begin(), required.end(),
+                     [&](bool CpuFeatures::*feature) { return features.*feature; });
+}
+
 const char* isa_name(Isa isa) {
   // Names of variants that are not compiled are still known (for messages and parsing).
-  static const char* const kNames[] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"};
   const int i = static_cast<int>(isa);
-  return i >= 0 && i < 5 ? kNames[i] : "unknown";
+  return i >= 0 && i < kIsaCount ? kIsaNames[i] : "unknown";
 }
 
 std::optional<Isa> parse_isa(const std::string& name) {
-  for (int i = 0; i < 5; ++i)
+  for (int i = 0; i < kIsaCount; ++i)
     if (name == isa_name(static_cast<Isa>(i))) return static_cast<Isa>(i);
   return std::nullopt;
 }
 
 std::string isa_choices() {
   std::string out;
-  for (int i = 0; i < 5; ++i)
+  for (int i = 0; i < kIsaCount; ++i)
     out += std::string(out.empty() ? "" : ", ") + isa_name(static_cast<Isa>(i));
   return out;
 }

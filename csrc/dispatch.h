@@ -18,7 +18,18 @@
 
 namespace npu_attn {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
+// Every variant in csrc/kernels/variants.def, compiled into this build or not (Isa::scalar,
+// Isa::avx2, ...), in table order.
+enum class Isa {
+#define NPU_ATTN_VARIANT(name, ...) name,
+#include "kernels/variants.def"
+#undef NPU_ATTN_VARIANT
+};
+constexpr int kIsaCount = 0
+#define NPU_ATTN_VARIANT(name, ...) +1
+#include "kernels/variants.def"
+#undef NPU_ATTN_VARIANT
+    ;
 
 constexpr int kElementTypeCount = 3;  // ElementType's values index per-type arrays
 
@@ -33,18 +44,19 @@ ShapeClass shape_class(const AttentionParams& params);
 const char* shape_class_name(ShapeClass shape);  // "self-attention" | "cross-attention" | ...
 std::optional<ShapeClass> parse_shape_class(const std::string& name);
 
-// One row of the variant table. Rows are ordered from least to most specialised.
+// One compiled row of the variant table (csrc/kernels/variants.def), least specialised first.
 struct KernelVariant {
   Isa isa;
   const char* name;   // "scalar" | "avx2" | "avx512" | "avx512_bf16" | "amx_bf16"
   const char* needs;  // what the CPU (and OS) must support, for people
-  bool (*runs_on)(const CpuFeatures& features);
+  std::vector<bool CpuFeatures::*> required;  // its own features and those it builds on
+  bool runs_on(const CpuFeatures& features) const;
   void (*forward)(const AttentionParams& params);
   void (*backward)(const AttentionBackwardParams& params);
   double (*fma_peak_gflops)(int threads, double seconds);
   // The forward kernel this variant runs for each ElementType, e.g. {"avx512 fp32 FMA",
-  // "AMX tiles", "avx512 fp32 FMA"}: variants with equal entries run the same code for that
-  // type, so measuring one of them measures all.
+  // "amx_bf16 AMX tiles", "avx512 fp32 FMA"}: variants with equal entries run the same code for
+  // that type, so measuring one of them measures all.
   const char* forward_kernel[kElementTypeCount];
 };
 

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 
+#include "bfloat16.h"
+
 namespace npu_attn {
 
 namespace {
@@ -39,14 +41,9 @@ void set_element(void* base, ElementType type, int64_t offset, double value) {
     case ElementType::kFloat16:
       static_cast<_Float16*>(base)[offset] = static_cast<_Float16>(f);
       return;
-    case ElementType::kBFloat16: {
-      uint32_t bits;
-      std::memcpy(&bits, &f, sizeof(bits));
-      const uint16_t rounded =
-          std::isnan(f) ? 0x7fc0 : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-      static_cast<uint16_t*>(base)[offset] = rounded;
+    case ElementType::kBFloat16:
+      static_cast<uint16_t*>(base)[offset] = bfloat16_bits(f);
       return;
-    }
   }
 }
 

@@ -148,6 +148,13 @@ std::string cpu_feature_choices() {
   return out;
 }
 
+bool CpuFeatures::*cpu_feature_member(const std::string& name) {
+  for (const auto& field : kFeatureFields)
+    if (name == field.name) return field.member;
+  throw std::invalid_argument("unknown CPU feature '" + name + "'; expected some of " +
+                              cpu_feature_choices());
+}
+
 CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled) {
   std::stringstream list(disabled);
   std::string name;
@@ -155,17 +162,7 @@ CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled)
     while (!name.empty() && name.front() == ' ') name.erase(name.begin());
     while (!name.empty() && name.back() == ' ') name.pop_back();
     if (name.empty()) continue;
-    bool known = false;
-    for (const auto& field : kFeatureFields) {
-      if (name == field.name) {
-        features.*field.member = false;
-        known = true;
-      }
-    }
-    if (!known) {
-      throw std::invalid_argument("unknown CPU feature '" + name + "'; expected some of " +
-                                  cpu_feature_choices());
-    }
+    features.*cpu_feature_member(name) = false;
   }
   // A hidden base feature hides the extensions built on it, as on a real CPU: no AVX2 or no
   // AVX-512 F means no AVX-512 extensions and no AMX either.

@@ -21,6 +21,10 @@ struct CpuFeatures {
 // Every feature name CpuFeatures knows, for messages ("sse4.2, avx2, ...").
 std::string cpu_feature_choices();
 
+// The CpuFeatures member called `name` (e.g. "avx512_bf16" -> &CpuFeatures::avx512_bf16).
+// Throws std::invalid_argument naming an unknown feature.
+bool CpuFeatures::*cpu_feature_member(const std::string& name);
+
 // `features` with the comma-separated names in `disabled` turned off (e.g. "amx_bf16,avx512f"),
 // to emulate a smaller CPU; hiding avx2 or avx512f also hides the AVX-512 extensions and AMX.
 // Throws std::invalid_argument naming an unknown feature.

@@ -1,29 +1,20 @@
-// Entry points of the per-ISA kernel variants. Each is defined in its own translation unit,
-// compiled with that ISA's flags (see CMakeLists.txt). Call them only through dispatch.h, which
-// checks that the CPU can run the variant.
+// Entry points of the per-ISA kernel variants listed in variants.def. Each is defined in its
+// variant's own translation units, compiled with that variant's flags (see CMakeLists.txt). Call
+// them only through dispatch.h, which checks that the CPU can run the variant.
 #pragma once
 
 #include "../attention_params.h"
+#include "variant_macros.h"
 
 namespace npu_attn::kernels {
 
-void attention_forward_scalar(const AttentionParams& params);
-void attention_backward_scalar(const AttentionBackwardParams& params);
-double fma_peak_gflops_scalar(int threads, double seconds);
-#if defined(NPU_ATTN_HAVE_AVX2)
-void attention_forward_avx2(const AttentionParams& params);
-void attention_backward_avx2(const AttentionBackwardParams& params);
-double fma_peak_gflops_avx2(int threads, double seconds);
-#endif
-#if defined(NPU_ATTN_HAVE_AVX512)
-void attention_forward_avx512(const AttentionParams& params);
-void attention_backward_avx512(const AttentionBackwardParams& params);
-// The avx512 kernels, except bfloat16 forward, which uses AVX-512-BF16 dot products.
-void attention_forward_avx512_bf16(const AttentionParams& params);
-// The avx512 kernels, except bfloat16 forward, which runs on AMX tiles. Needs the OS permission
-// for AMX state (dispatch.cpp asks for it).
-void attention_forward_amx_bf16(const AttentionParams& params);
-double fma_peak_gflops_avx512(int threads, double seconds);
-#endif
+#define NPU_ATTN_VARIANT(name, arch, builds_on, flags, features, needs, forward_from,     \
+                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel) \
+  NPU_ATTN_IF_##arch(                                                                     \
+      void attention_forward_##forward_from(const AttentionParams& params);               \
+      void attention_backward_##backward_from(const AttentionBackwardParams& params);     \
+      double fma_peak_gflops_##peak_from(int threads, double seconds);)
+#include "variants.def"
+#undef NPU_ATTN_VARIANT
 
 }  // namespace npu_attn::kernels

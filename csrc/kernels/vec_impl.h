@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "../bfloat16.h"  // bfloat16_bits: the scalar rounding rule
+
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>  // F16C conversions; the intrinsics are always-inline, no symbols
 #endif
@@ -137,14 +139,6 @@ NPU_ATTN_VEC_INLINE float to_float(BFloat16 x) {
   return f;
 }
 
-// Round to nearest even; NaN stays a (quiet) NaN instead of rounding up into infinity.
-NPU_ATTN_VEC_INLINE uint16_t bfloat16_bits(float x) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof(bits));
-  if (x != x) return 0x7fc0;
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 template <typename T>
 NPU_ATTN_VEC_INLINE T from_float(float x) {
   if constexpr (__is_same(T, BFloat16)) {
@@ -200,7 +194,7 @@ NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
   } else {
     UVec bits;
     __builtin_memcpy(&bits, &v, sizeof(bits));
-    UVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    UVec rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // bfloat16_bits, per lane
     rounded = v != v ? UVec{} + 0x7fc0u : rounded;
     *reinterpret_cast<UnalignedU16Vec*>(p) = __builtin_convertvector(rounded, U16Vec);
   }

@@ -216,7 +216,7 @@ INSTANTIATE_TEST_SUITE_P(Kernels, BackwardEveryIsa, ::testing::ValuesIn(compiled
 // ---------------------------------------------------------------- validation
 struct ValidBackward : ::testing::Test {
   BackwardProblem pr;
-  void SetUp() override { build_backward({1, 2, 2, 8, 9, 16, 12}, pr, 1, false, Isa::kScalar); }
+  void SetUp() override { build_backward({1, 2, 2, 8, 9, 16, 12}, pr, 1, false, Isa::scalar); }
   std::string error_of(const SdpaBackwardArguments& args) {
     try {
       make_attention_backward_params(args);

@@ -39,7 +39,36 @@ TEST(VariantTable, NamesAreUniqueAndRoundTrip) {
     for (const char* kernel : v.forward_kernel) EXPECT_NE(std::string(kernel), "");
   }
   EXPECT_FALSE(parse_isa("sse9").has_value());
-  EXPECT_EQ(kernel_variants().front().isa, Isa::kScalar);
+  EXPECT_EQ(kernel_variants().front().isa, Isa::scalar);
+}
+
+TEST(VariantTable, EveryRequiredFeatureIsNeeded) {
+  // Turning off any one required feature makes the variant unrunnable.
+  for (const KernelVariant& v : kernel_variants()) {
+    for (bool CpuFeatures::*feature : v.required) {
+      CpuFeatures cpu = every_feature();
+      EXPECT_TRUE(v.runs_on(cpu)) << v.name;
+      cpu.*feature = false;
+      EXPECT_FALSE(v.runs_on(cpu)) << v.name;
+    }
+  }
+}
+
+#if defined(NPU_ATTN_X86)
+TEST(VariantTable, ARowInheritsTheFeaturesOfTheRowItBuildsOn) {
+  const auto& amx = kernel_variant(Isa::amx_bf16).required;
+  for (bool CpuFeatures::*feature : kernel_variant(Isa::avx512_bf16).required)
+    EXPECT_NE(std::find(amx.begin(), amx.end(), feature), amx.end());
+  EXPECT_NE(std::find(amx.begin(), amx.end(), &CpuFeatures::avx2), amx.end());
+  EXPECT_NE(std::find(amx.begin(), amx.end(), &CpuFeatures::amx_tile), amx.end());
+  EXPECT_TRUE(kernel_variant(Isa::scalar).required.empty());
+}
+#endif
+
+TEST(VariantTable, EveryFeatureNameResolves) {
+  for (const std::string& name : every_feature().names())
+    EXPECT_TRUE(every_feature().*cpu_feature_member(name)) << name;
+  EXPECT_THROW(cpu_feature_member("avx1024"), std::invalid_argument);
 }
 
 TEST(VariantTable, EveryCompiledVariantRunsOnACpuWithEveryFeature) {
@@ -47,46 +76,46 @@ TEST(VariantTable, EveryCompiledVariantRunsOnACpuWithEveryFeature) {
 }
 
 TEST(VariantTable, ScalarRunsOnACpuWithNoFeatures) {
-  EXPECT_EQ(runnable_isas(CpuFeatures{}), std::vector<Isa>{Isa::kScalar});
-  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, CpuFeatures{}), Isa::kScalar);
+  EXPECT_EQ(runnable_isas(CpuFeatures{}), std::vector<Isa>{Isa::scalar});
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, CpuFeatures{}), Isa::scalar);
 }
 
-#if defined(NPU_ATTN_HAVE_AVX512)
+#if defined(NPU_ATTN_X86)
 // The CPUs this project has met: Sapphire Rapids (AMX), Zen 4 (AVX512-BF16, no AMX), Skylake-SP
 // (AVX-512, no BF16), Haswell-class (AVX2 only). Masking emulates each one.
 TEST(EmulatedCpu, SapphireRapidsRunsEveryVariant) {
   const CpuFeatures spr = every_feature();
-  EXPECT_EQ(default_isa(ElementType::kFloat32, spr), Isa::kAvx512);
-  EXPECT_EQ(default_isa(ElementType::kFloat16, spr), Isa::kAvx512);
-  EXPECT_EQ(default_isa(ElementType::kBFloat16, spr), Isa::kAmxBf16);
+  EXPECT_EQ(default_isa(ElementType::kFloat32, spr), Isa::avx512);
+  EXPECT_EQ(default_isa(ElementType::kFloat16, spr), Isa::avx512);
+  EXPECT_EQ(default_isa(ElementType::kBFloat16, spr), Isa::amx_bf16);
 }
 
 TEST(EmulatedCpu, Zen4HasNoAmx) {
   const CpuFeatures zen4 = mask_cpu_features(every_feature(), "amx_tile,amx_bf16");
   const auto runnable = runnable_isas(zen4);
-  EXPECT_FALSE(contains(runnable, Isa::kAmxBf16));
-  EXPECT_TRUE(contains(runnable, Isa::kAvx512Bf16));
-  EXPECT_EQ(default_isa(ElementType::kFloat32, zen4), Isa::kAvx512);
-  EXPECT_EQ(default_isa(ElementType::kBFloat16, zen4), Isa::kAvx512Bf16);
+  EXPECT_FALSE(contains(runnable, Isa::amx_bf16));
+  EXPECT_TRUE(contains(runnable, Isa::avx512_bf16));
+  EXPECT_EQ(default_isa(ElementType::kFloat32, zen4), Isa::avx512);
+  EXPECT_EQ(default_isa(ElementType::kBFloat16, zen4), Isa::avx512_bf16);
 }
 
 TEST(EmulatedCpu, AmxWithoutOsPermissionIsNotOffered) {
   // The detector reports amx_* only when the OS granted the permission; one bit missing is enough.
   EXPECT_FALSE(
-      contains(runnable_isas(mask_cpu_features(every_feature(), "amx_tile")), Isa::kAmxBf16));
+      contains(runnable_isas(mask_cpu_features(every_feature(), "amx_tile")), Isa::amx_bf16));
 }
 
 TEST(EmulatedCpu, SkylakeHasNoBf16Variants) {
   const CpuFeatures skx = mask_cpu_features(every_feature(), "avx512_bf16,amx_tile,amx_bf16");
   const auto runnable = runnable_isas(skx);
-  EXPECT_EQ(runnable.back(), Isa::kAvx512);
-  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, skx), Isa::kAvx512);
+  EXPECT_EQ(runnable.back(), Isa::avx512);
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, skx), Isa::avx512);
 }
 
 TEST(EmulatedCpu, Avx2OnlyCpu) {
   const CpuFeatures hsw = mask_cpu_features(every_feature(), "avx512f");
-  EXPECT_EQ(runnable_isas(hsw), (std::vector<Isa>{Isa::kScalar, Isa::kAvx2}));
-  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, hsw), Isa::kAvx2);
+  EXPECT_EQ(runnable_isas(hsw), (std::vector<Isa>{Isa::scalar, Isa::avx2}));
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, hsw), Isa::avx2);
 }
 #endif
 
@@ -111,7 +140,7 @@ TEST(EmulatedCpu, UnknownFeatureNameIsAnErrorNamingIt) {
 TEST(ThisCpu, DefaultAndActiveVariantsRunHere) {
   const auto runnable = runnable_isas();
   ASSERT_FALSE(runnable.empty());
-  EXPECT_EQ(runnable.front(), Isa::kScalar);
+  EXPECT_EQ(runnable.front(), Isa::scalar);
   for (ElementType e : kAllElements) {
     EXPECT_TRUE(isa_supported_by_cpu(default_isa(e))) << element_type_name(e);
     EXPECT_TRUE(isa_supported_by_cpu(active_isa(e))) << element_type_name(e);
@@ -121,8 +150,8 @@ TEST(ThisCpu, DefaultAndActiveVariantsRunHere) {
 
 TEST(ThisCpu, VariantIsChosenPerElementType) {
   const Isa fp32 = active_isa(ElementType::kFloat32), bf16 = active_isa(ElementType::kBFloat16);
-  set_active_isa(Isa::kScalar, ElementType::kBFloat16);
-  EXPECT_EQ(active_isa(ElementType::kBFloat16), Isa::kScalar);
+  set_active_isa(Isa::scalar, ElementType::kBFloat16);
+  EXPECT_EQ(active_isa(ElementType::kBFloat16), Isa::scalar);
   EXPECT_EQ(active_isa(ElementType::kFloat32), fp32);
   set_active_isa(bf16, ElementType::kBFloat16);
   EXPECT_EQ(active_isa(ElementType::kBFloat16), bf16);
@@ -130,8 +159,8 @@ TEST(ThisCpu, VariantIsChosenPerElementType) {
 
 TEST(ThisCpu, VariantIsChosenPerShapeClass) {
   const Isa before = active_isa(ElementType::kFloat32, ShapeClass::kLargeHeadDim);
-  set_active_isa(Isa::kScalar, ElementType::kFloat32, ShapeClass::kLargeHeadDim);
-  EXPECT_EQ(active_isa(ElementType::kFloat32, ShapeClass::kLargeHeadDim), Isa::kScalar);
+  set_active_isa(Isa::scalar, ElementType::kFloat32, ShapeClass::kLargeHeadDim);
+  EXPECT_EQ(active_isa(ElementType::kFloat32, ShapeClass::kLargeHeadDim), Isa::scalar);
   EXPECT_EQ(active_isa(ElementType::kFloat32, ShapeClass::kSelfAttention),
             active_isa(ElementType::kFloat32));
   set_active_isa(before, ElementType::kFloat32, ShapeClass::kLargeHeadDim);

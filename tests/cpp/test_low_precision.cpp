@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "attention.h"
 #include "attention_cases.h"
+#include "bfloat16.h"
 #include "dispatch.h"
 #include "test_support.h"
 
@@ -23,9 +25,7 @@ uint16_t to_bits(float x, DType dtype) {
     std::memcpy(&bits, &h, sizeof(bits));
     return bits;
   }
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  return bfloat16_bits(x);
 }
 
 float from_bits(uint16_t bits, DType dtype) {
@@ -93,6 +93,22 @@ std::vector<Case> low_precision_shapes() {
   cases.back().mask = MaskCase::kAdditiveFull;
   cases.back().softmax_scale = 0.3;
   return cases;
+}
+
+TEST(BFloat16Rounding, RoundsToNearestEvenAndKeepsNaN) {
+  auto bits_of = [](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  };
+  EXPECT_EQ(bfloat16_bits(1.0f), 0x3f80);
+  EXPECT_EQ(bfloat16_bits(-2.0f), 0xc000);
+  EXPECT_EQ(bfloat16_bits(bits_of(0x3f808000u)), 0x3f80);  // tie, even below: down
+  EXPECT_EQ(bfloat16_bits(bits_of(0x3f818000u)), 0x3f82);  // tie, odd below: up to even
+  EXPECT_EQ(bfloat16_bits(bits_of(0x3f808001u)), 0x3f81);  // above the tie: up
+  EXPECT_EQ(bfloat16_bits(bits_of(0x7f7fffffu)), 0x7f80);  // FLT_MAX rounds to infinity
+  EXPECT_EQ(bfloat16_bits(std::numeric_limits<float>::quiet_NaN()), 0x7fc0);
+  EXPECT_EQ(bfloat16_bits(bits_of(0xffffffffu)), 0x7fc0);  // a NaN that would carry into inf
 }
 
 TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
