@@ -1,0 +1,129 @@
+"""A/B two builds of npu_attn's C++ kernels in one process: did a refactor or a kernel change
+make anything slower?
+
+Loads two compiled ``_C`` extension modules (e.g. this tree's and one built from an older
+commit with ``git worktree add /tmp/old <commit>`` and a plain CMake build), runs the same
+forward (or forward+backward) call on the same inputs through each, interleaved A, B, A, B...,
+with the same kernel variant and thread count, and prints the median times and B/A ratios per
+model shape and dtype, with the CPU it ran on.
+
+    python bench/ab_builds.py --a /tmp/old/b/python/npu_attn/_C*.so \\
+        --b python/npu_attn/_C*.so --threads 2 --dtypes float32 bfloat16 float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from npu_attn.bench import model_cases
+from npu_attn.bench_report import machine_info
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_extension(path: str, alias: str):
+    """Import the ``_C`` extension at ``path`` under a private package name, so two builds can
+    live in one process (the init symbol PyInit__C only requires the last name part ``_C``)."""
+    loader = importlib.machinery.ExtensionFileLoader(f"{alias}._C", path)
+    spec = importlib.util.spec_from_file_location(f"{alias}._C", path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def make_runner(ext, q, k, v, isa: str, threads: int):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32)
+
+    def run() -> None:
+        ext.forward(
+            torch.utils.dlpack.to_dlpack(q),
+            torch.utils.dlpack.to_dlpack(k),
+            torch.utils.dlpack.to_dlpack(v),
+            torch.utils.dlpack.to_dlpack(out),
+            lse=torch.utils.dlpack.to_dlpack(lse),
+            num_threads=threads,
+            isa=isa,
+        )
+
+    return run, out
+
+
+def time_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def ab_case(
+    case, dtype, builds, isa: str, threads: int, repeats: int
+) -> tuple[float, float, float]:
+    """Median seconds of build A and B on one case, and the max |A - B| of their outputs."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(case.batch, case.heads, n, case.head_dim, generator=gen).to(dtype)
+        for n in (case.len_q, case.len_k, case.len_k)
+    )
+    runners = [make_runner(ext, q, k, v, isa, threads) for ext in builds]
+    for run, _ in runners:  # warm-up: workspaces, page faults, AMX state
+        run()
+    times = [[], []]
+    for _ in range(repeats):
+        for i, (run, _) in enumerate(runners):
+            times[i].append(time_once(run))
+    diff = (runners[0][1].float() - runners[1][1].float()).abs().max().item()
+    return statistics.median(times[0]), statistics.median(times[1]), diff
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", required=True, help="path of build A's _C*.so (the baseline)")
+    parser.add_argument("--b", required=True, help="path of build B's _C*.so (the change)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--isa",
+        action="append",
+        default=[],
+        metavar="DTYPE=VARIANT",
+        help="variant per dtype (default: each build's active variant for the dtype), "
+        "e.g. --isa bfloat16=amx_bf16",
+    )
+    args = parser.parse_args(argv)
+    builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
+    pinned = dict(item.split("=", 1) for item in args.isa)
+    info = machine_info()
+    print(f"# A/B: {args.a} vs {args.b}")
+    print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
+    print("| shape | dtype | variant | A ms | B ms | B/A | max abs diff |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    ratios: dict[str, list[float]] = {}
+    for dtype_name in args.dtypes:
+        isa = pinned.get(dtype_name) or builds[1].active_isa(dtype_name)
+        for case in model_cases():
+            a, b, diff = ab_case(case, DTYPES[dtype_name], builds, isa, args.threads, args.repeats)
+            ratios.setdefault(dtype_name, []).append(b / a)
+            print(
+                f"| {case.name} | {dtype_name} | {isa} | {a * 1e3:.1f} | {b * 1e3:.1f} "
+                f"| {b / a:.3f} | {diff:.2g} |",
+                flush=True,
+            )
+    for dtype_name, values in ratios.items():
+        geomean = statistics.geometric_mean(values)
+        low, high = min(values), max(values)
+        print(f"# {dtype_name}: B/A geomean {geomean:.3f}, min {low:.3f}, max {high:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
