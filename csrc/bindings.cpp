@@ -349,14 +349,17 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("build_info", &build_info);
   m.def(
-      "fma_peak_gflops",
-      [](std::optional<std::string> isa, int threads, double seconds) {
-        const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa();
+      "peak_gflops",
+      [](std::optional<std::string> isa, const std::string& dtype, int threads, double seconds) {
+        const npu_attn::ElementType element = element_from_name(dtype);
+        const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_isa(element);
         py::gil_scoped_release no_gil;
-        return npu_attn::measure_fma_peak_gflops(variant, threads, seconds);
+        return npu_attn::measure_peak_gflops(variant, element, threads, seconds);
       },
-      py::arg("isa") = py::none(), py::arg("threads") = 1, py::arg("seconds") = 0.3,
-      "Measured fp32 FMA peak of this machine in GFLOP/s.");
+      py::arg("isa") = py::none(), py::arg("dtype") = "float32", py::arg("threads") = 1,
+      py::arg("seconds") = 0.3,
+      "Measured peak GFLOP/s of the compute path variant `isa` (default: the one active for "
+      "`dtype`) uses for `dtype`: fp32 FMA, vdpbf16ps or AMX tiles.");
 
   // Detect the CPU and choose the variants now, so a bad NPU_ATTN_ISA or
   // NPU_ATTN_DISABLE_FEATURES fails at import with a clear message.

@@ -56,7 +56,7 @@ std::vector<KernelVariant> build_table() {
                                      required_features(rows, #builds_on, features),       \
                                      kernels::attention_forward_##forward_from,           \
                                      kernels::attention_backward_##backward_from,         \
-                                     kernels::fma_peak_gflops_##peak_from,                \
+                                     kernels::peak_gflops_##peak_from,                    \
                                      {fp32_kernel, bf16_kernel, fp16_kernel}});)
 #include "kernels/variants.def"
 #undef NPU_ATTN_VARIANT
@@ -263,10 +263,10 @@ void run_attention_backward(const AttentionBackwardParams& params, Isa isa) {
   runnable_variant(isa).backward(params);
 }
 
-double measure_fma_peak_gflops(Isa isa, int threads, double seconds) {
+double measure_peak_gflops(Isa isa, ElementType element, int threads, double seconds) {
   const KernelVariant& variant = runnable_variant(isa);
   if (threads < 1 || !(seconds > 0)) throw std::invalid_argument("threads >= 1 and seconds > 0");
-  return variant.fma_peak_gflops(threads, seconds);
+  return variant.peak_gflops(element, threads, seconds);
 }
 
 }  // namespace npu_attn

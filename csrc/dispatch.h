@@ -53,7 +53,9 @@ struct KernelVariant {
   bool runs_on(const CpuFeatures& features) const;
   void (*forward)(const AttentionParams& params);
   void (*backward)(const AttentionBackwardParams& params);
-  double (*fma_peak_gflops)(int threads, double seconds);
+  // Measured peak GFLOP/s of the compute path the forward kernel uses for an element type
+  // (fp32 FMA, vdpbf16ps or AMX tiles).
+  double (*peak_gflops)(ElementType element, int threads, double seconds);
   // The forward kernel this variant runs for each ElementType, e.g. {"avx512 fp32 FMA",
   // "amx_bf16 AMX tiles", "avx512 fp32 FMA"}: variants with equal entries run the same code for
   // that type, so measuring one of them measures all.
@@ -100,8 +102,9 @@ void run_attention_forward(const AttentionParams& params, Isa isa);
 void run_attention_backward(const AttentionBackwardParams& params);
 void run_attention_backward(const AttentionBackwardParams& params, Isa isa);
 
-// Measured fp32 FMA throughput (GFLOP/s) of `threads` threads using `isa`'s vectors for about
-// `seconds`: the denominator of the benchmark's "percent of peak".
-double measure_fma_peak_gflops(Isa isa, int threads, double seconds);
+// Measured throughput (GFLOP/s) of `threads` threads on the compute path `isa`'s forward kernel
+// uses for `element` (fp32 FMA on its vectors, vdpbf16ps, AMX tiles), for about `seconds`: the
+// denominator of the benchmark's "percent of peak".
+double measure_peak_gflops(Isa isa, ElementType element, int threads, double seconds);
 
 }  // namespace npu_attn

@@ -11,7 +11,8 @@ void attention_forward_scalar(const AttentionParams& params) {
   attention_forward_tiled(params);
 }
 
-double fma_peak_gflops_scalar(int threads, double seconds) {
+// Every dtype runs on fp32 FMA here.
+double peak_gflops_scalar(ElementType, int threads, double seconds) {
   return measure_fma_peak(threads, seconds);
 }
 

@@ -1,6 +1,13 @@
-// ISA-neutral FMA throughput probe, compiled into each per-ISA translation unit next to the
-// attention kernel (same NPU_ATTN_VEC_BYTES). It measures this machine's fp32 FMA peak so the
-// benchmark can report a kernel's efficiency without assuming clock speeds or port counts.
+// Peak-throughput probes, compiled into each per-ISA translation unit next to its kernels. They
+// measure what this machine's compute paths can do, so the benchmark reports a kernel's
+// efficiency against the limit of the path it runs on, without assuming clock speeds or port
+// counts:
+//   measure_fma_peak     fp32 FMA on NPU_ATTN_VEC_BYTES vectors (the float32-compute kernels)
+//   measure_dpbf16_peak  vdpbf16ps (bfloat16 pair dot products, needs -mavx512bf16)
+//   measure_amx_peak     tdpbf16ps on AMX tiles (needs -mamx-tile -mamx-bf16 and the OS grant)
+// Each probe runs independent accumulation chains (enough to hide latency on every port) and
+// writes the result to a volatile global: a side effect, so the compiler can neither drop the
+// loop nor move it across the timer calls.
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including fma_peak_impl.h"
 #endif
@@ -9,20 +16,51 @@
 
 #include <cstdint>
 
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+#include <immintrin.h>
+#endif
+
 namespace npu_attn {
 namespace {
 
-typedef float PeakVec __attribute__((vector_size(NPU_ATTN_VEC_BYTES)));
-constexpr int kPeakLanes = NPU_ATTN_VEC_BYTES / static_cast<int>(sizeof(float));
-// Independent FMA chains: enough to cover latency x ports (4 x 2) while leaving registers for
-// the two constants (16 registers below AVX-512, 32 with it).
-constexpr int kPeakChains = NPU_ATTN_VEC_BYTES == 64 ? 16 : 12;
-
 volatile float g_peak_sink;
 
-// Runs `iterations` rounds of kPeakChains dependent FMAs. The result goes to a volatile global:
-// a side effect, so the compiler can neither drop the loop nor move it across the timer calls
-// (a pure computation could legally be scheduled after omp_get_wtime()).
+// GFLOP/s of `threads` threads each running `work(iterations, seed)` for about `seconds`, where
+// one iteration is `flops_per_iteration` floating-point operations.
+template <typename Work>
+double measure_peak(Work work, double flops_per_iteration, int threads, double seconds) {
+  // Calibrate on one thread so the timed run lasts about `seconds`.
+  int64_t iterations = 1 << 12;
+  for (;;) {
+    const double start = omp_get_wtime();
+    work(iterations, 1.0f);
+    const double elapsed = omp_get_wtime() - start;
+    if (elapsed > seconds / 8 || iterations > (int64_t{1} << 34)) {
+      iterations = static_cast<int64_t>(iterations * seconds / (elapsed > 0 ? elapsed : 1e-9));
+      break;
+    }
+    iterations *= 4;
+  }
+  double elapsed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp barrier
+    const double start = omp_get_wtime();
+    work(iterations, static_cast<float>(omp_get_thread_num()));
+    const double mine = omp_get_wtime() - start;
+#pragma omp critical
+    elapsed = mine > elapsed ? mine : elapsed;
+  }
+  return flops_per_iteration * static_cast<double>(iterations) * threads / elapsed / 1e9;
+}
+
+// ---------------------------------------------------------------- fp32 FMA
+typedef float PeakVec __attribute__((vector_size(NPU_ATTN_VEC_BYTES)));
+constexpr int kPeakLanes = NPU_ATTN_VEC_BYTES / static_cast<int>(sizeof(float));
+// Independent chains: enough to cover latency x ports (4 x 2) while leaving registers for the
+// two constants (16 registers below AVX-512, 32 with it).
+constexpr int kPeakChains = NPU_ATTN_VEC_BYTES == 64 ? 16 : 12;
+
 void fma_chains(int64_t iterations, float seed) {
   PeakVec acc[kPeakChains];
   const PeakVec mul = PeakVec{} + 0.999999f;
@@ -38,33 +76,85 @@ void fma_chains(int64_t iterations, float seed) {
   g_peak_sink = sum;
 }
 
-// GFLOP/s of `threads` threads each running fma_chains for about `seconds`.
-double measure_fma_peak(int threads, double seconds) {
-  // Calibrate on one thread so the timed run lasts about `seconds`.
-  int64_t iterations = 1 << 16;
-  for (;;) {
-    const double start = omp_get_wtime();
-    fma_chains(iterations, 1.0f);
-    const double elapsed = omp_get_wtime() - start;
-    if (elapsed > seconds / 8 || iterations > (int64_t{1} << 34)) {
-      iterations = static_cast<int64_t>(iterations * seconds / (elapsed > 0 ? elapsed : 1e-9));
-      break;
-    }
-    iterations *= 4;
-  }
-  double elapsed = 0;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp barrier
-    const double start = omp_get_wtime();
-    fma_chains(iterations, static_cast<float>(omp_get_thread_num()));
-    const double mine = omp_get_wtime() - start;
-#pragma omp critical
-    elapsed = mine > elapsed ? mine : elapsed;
-  }
-  const double flops = 2.0 * kPeakLanes * kPeakChains * static_cast<double>(iterations) * threads;
-  return flops / elapsed / 1e9;
+[[maybe_unused]] double measure_fma_peak(int threads, double seconds) {
+  return measure_peak(fma_chains, 2.0 * kPeakLanes * kPeakChains, threads, seconds);
 }
+
+// ---------------------------------------------------------------- vdpbf16ps
+#if defined(__AVX512BF16__)
+// One vdpbf16ps: 16 float32 lanes, each += two bfloat16 products: 64 flops.
+constexpr int kDpChains = 16;
+
+void dpbf16_chains(int64_t iterations, float seed) {
+  __m512 acc[kDpChains];
+  for (int c = 0; c < kDpChains; ++c) acc[c] = _mm512_set1_ps(seed + static_cast<float>(c));
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  for (int64_t i = 0; i < iterations; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kDpChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  }
+  __m512 total = acc[0];
+  for (int c = 1; c < kDpChains; ++c) total = _mm512_add_ps(total, acc[c]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, total);
+  g_peak_sink = lanes[0] + lanes[15];
+}
+
+[[maybe_unused]] double measure_dpbf16_peak(int threads, double seconds) {
+  return measure_peak(dpbf16_chains, 64.0 * kDpChains, threads, seconds);
+}
+#endif
+
+// ---------------------------------------------------------------- AMX tdpbf16ps
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Eight 16-row x 64-byte tiles: four float32 accumulators (16x16), two A tiles (16 rows x 32
+// bfloat16) and two B tiles (16 pair rows x 16 columns): a 2x2 block of products per iteration,
+// each 16 x 16 x 32 multiply-adds.
+struct alignas(64) PeakTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+constexpr PeakTileConfig kPeakTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+constexpr double kAmxFlopsPerIteration = 4 * 2.0 * 16 * 16 * 32;
+
+void amx_chains(int64_t iterations, float seed) {
+  alignas(64) uint16_t a[16 * 32];
+  alignas(64) uint16_t b[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int i = 0; i < 16 * 32; ++i) {
+    a[i] = 0x3f80;  // 1.0
+    b[i] = 0x3a83;  // ~1e-3
+  }
+  _tile_loadconfig(&kPeakTileConfig);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b, 64);
+  for (int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  _tile_release();
+  g_peak_sink = c[0] + seed;
+}
+
+// Needs the OS permission for AMX state: only call when cpu_features() reports amx_bf16.
+[[maybe_unused]] double measure_amx_peak(int threads, double seconds) {
+  return measure_peak(amx_chains, kAmxFlopsPerIteration, threads, seconds);
+}
+#endif
 
 }  // namespace
 }  // namespace npu_attn

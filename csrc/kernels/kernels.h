@@ -13,7 +13,7 @@ namespace npu_attn::kernels {
   NPU_ATTN_IF_##arch(                                                                     \
       void attention_forward_##forward_from(const AttentionParams& params);               \
       void attention_backward_##backward_from(const AttentionBackwardParams& params);     \
-      double fma_peak_gflops_##peak_from(int threads, double seconds);)
+      double peak_gflops_##peak_from(ElementType element, int threads, double seconds);)
 #include "variants.def"
 #undef NPU_ATTN_VARIANT
 

@@ -2,8 +2,9 @@
 
 Every competitor runs in this one process, on the same tensors, interleaved (round-robin after
 a warm-up), with the same thread count; the report gives medians and spreads, the speed-up
-over torch's SDPA, GFLOP/s and the percentage of this machine's fp32 FMA peak (measured by a
-small C++ routine, not assumed). Peak memory is measured honestly: one fresh subprocess per
+over torch's SDPA, GFLOP/s and the percentage of this machine's peak for the compute path the
+dtype runs on (fp32 FMA, vdpbf16ps or AMX tiles, each measured by a small C++ probe, not
+assumed). Peak memory is measured honestly: one fresh subprocess per
 (case, strategy), reporting the growth of its peak RSS during one call.
 
 Shapes are taken from real model configurations (batch 2 = classifier-free guidance):
@@ -253,7 +254,7 @@ def run(args) -> dict:
     for case in tqdm(cases, desc="attention cases", unit="case"):
         err = check_agreement(case)
         times = time_case(case, COMPETITORS, args.repeats)
-        row = summarise(case, times, info["fma_peak_gflops"])
+        row = summarise(case, times, info["peak_gflops"][case.dtype]["gflops"])
         row["max_abs_diff_tiled_vs_sdpa"] = err
         if not args.no_memory:
             row["memory"] = {

@@ -18,6 +18,23 @@ from typing import Optional
 COMPETITORS = ("vanilla", "sdpa", "tiled")
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compute_peak(dtype: str, threads: int) -> dict:
+    """The measured peak GFLOP/s of the compute path (fp32 FMA, vdpbf16ps, AMX tiles) that the
+    variant running ``dtype`` self-attention here uses: the limit "% of peak" refers to."""
+    from . import _C, _runtime
+
+    isa = _runtime.active_isa(dtype)
+    row = next(v for v in _C.variants() if v["name"] == isa)
+    return {
+        "variant": isa,
+        "compute": row["forward_kernel"][dtype],
+        "gflops": round(_C.peak_gflops(isa, dtype, threads, 0.5), 1),
+    }
+
+
 def machine_info(threads: int) -> dict:
     import torch
 
@@ -44,7 +61,9 @@ def machine_info(threads: int) -> dict:
         "kernel_variants": {
             dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
         },
-        "fma_peak_gflops": round(_C.fma_peak_gflops(isa, threads, 0.5), 1),
+        "fma_peak_gflops": round(_C.peak_gflops(isa, "float32", threads, 0.5), 1),
+        # per dtype: the measured peak of the compute path its self-attention variant runs on
+        "peak_gflops": {dtype: compute_peak(dtype, threads) for dtype in DTYPES},
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "npu_attn": __version__,
@@ -83,18 +102,25 @@ def _variants_text(machine: dict) -> str:
     return ", ".join(parts)
 
 
+def _peaks_text(m: dict) -> str:
+    peaks = m.get("peak_gflops") or {
+        "float32": {"compute": "fp32 FMA", "gflops": m["fma_peak_gflops"]}
+    }
+    return ", ".join(f"{p['compute']} {p['gflops']:.0f} GFLOP/s ({d})" for d, p in peaks.items())
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['threads']} threads for "
-        f"every competitor; npu_attn kernel variants {_variants_text(m)}; measured fp32 FMA peak "
-        f"{m['fma_peak_gflops']} GFLOP/s; torch {m['torch']} (CPU capability "
+        f"every competitor; npu_attn kernel variants {_variants_text(m)}; measured peaks "
+        f"{_peaks_text(m)}; torch {m['torch']} (CPU capability "
         f"{m['torch_cpu_capability']}); {m['date']}.",
         "",
         "Times are medians of interleaved runs (min-max in brackets); speed-up is torch SDPA "
         "time / npu_attn tiled time; memory is the peak RSS growth of one call in a fresh "
         "process (inputs excluded, output included). % of peak is relative to the measured "
-        "float32 FMA peak, also for bfloat16 (AMX tiles can exceed it).",
+        "peak of the compute path the dtype's self-attention variant runs on.",
         "",
         "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
         "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",

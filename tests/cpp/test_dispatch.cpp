@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <string>
 
@@ -35,7 +36,7 @@ TEST(VariantTable, NamesAreUniqueAndRoundTrip) {
     EXPECT_EQ(parse_isa(v.name), v.isa);
     EXPECT_NE(v.forward, nullptr);
     EXPECT_NE(v.backward, nullptr);
-    EXPECT_NE(v.fma_peak_gflops, nullptr);
+    EXPECT_NE(v.peak_gflops, nullptr);
     for (const char* kernel : v.forward_kernel) EXPECT_NE(std::string(kernel), "");
   }
   EXPECT_FALSE(parse_isa("sse9").has_value());
@@ -180,6 +181,18 @@ TEST(ShapeClasses, ClassifyByKeysAndHeadDim) {
     const auto shape = static_cast<ShapeClass>(i);
     EXPECT_EQ(parse_shape_class(shape_class_name(shape)), shape);
   }
+}
+
+TEST(ThisCpu, EveryRunnableVariantMeasuresAPeakPerDtype) {
+  // Only that the probes run and give a throughput: comparing them would be a timing assertion.
+  for (Isa isa : runnable_isas()) {
+    for (ElementType e : kAllElements) {
+      const double gflops = measure_peak_gflops(isa, e, 1, 0.01);
+      EXPECT_TRUE(std::isfinite(gflops) && gflops > 0) << isa_name(isa) << " " << gflops;
+    }
+  }
+  EXPECT_THROW(measure_peak_gflops(Isa::scalar, ElementType::kFloat32, 0, 0.01),
+               std::invalid_argument);
 }
 
 TEST(ThisCpu, AVariantTheCpuCannotRunIsRefused) {
