@@ -25,9 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from npu_attn.bench import model_cases
-from npu_attn.bench_report import machine_info
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return names[0] if names else "unknown CPU"
 
 
 def load_extension(path: str, alias: str):
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
     pinned = dict(item.split("=", 1) for item in args.isa)
-    info = machine_info()
+    info = {"cpu": cpu_model()}
     print(f"# A/B: {args.a} vs {args.b}")
     print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
     print("| shape | dtype | variant | A ms | B ms | B/A | max abs diff |")
