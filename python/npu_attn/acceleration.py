@@ -1,21 +1,26 @@
-"""``accelerate``: Token Merging and DeepCache for a pipeline in one call, undone by one call.
+"""``accelerate``: Token Merging, DeepCache and block caching for a pipeline in one call, undone
+by one call.
 
-Both methods trade quality for speed, so neither is ever enabled by default: only an explicit
+Every method trades quality for speed, so none is ever enabled by default: only an explicit
 option or environment variable turns one on. They compose with every attention strategy and
 with each other: Token Merging hooks the UNet's transformer blocks (:mod:`.token_merging`),
-DeepCache gives its blocks a caching ``forward`` (:mod:`.deep_cache`), attention strategies
-replace attention *processors*; each undo removes only its own changes.
+DeepCache gives its blocks a caching ``forward`` (:mod:`.deep_cache`), block caching does the
+same for a transformer's blocks (:mod:`.block_cache`), attention strategies replace attention
+*processors*; each undo removes only its own changes. Accelerated models and pipelines pickle
+and deep-copy (except diffusers' own cache hooks, whose forwards are closures).
 
 Environment (for scripts that should benefit unchanged; read by ``accelerate(pipe)`` without
 options):
 
 - ``NPU_ATTN_TOME=0.5``: Token Merging with this ratio (tomesd's other defaults).
 - ``NPU_ATTN_DEEPCACHE=3``: DeepCache with this cache interval (branch 0).
+- ``NPU_ATTN_BLOCK_CACHE=0.1``: First Block Cache with this threshold (transformer models).
 
-Under ``torch.compile`` (``npu_attn.compile`` or ``torch.compile(pipe.unet)``) both run with the
-default ``fullgraph=False``: Token Merging's hooks trace into the graph with a break at its
-seeded random draw, DeepCache breaks the graph at its step lookup and recompiles for skipped
-steps. ``fullgraph=True`` cannot trace either and raises dynamo's ``Unsupported`` error.
+Under ``torch.compile`` (``npu_attn.compile`` or ``torch.compile(pipe.unet)``) Token Merging and
+DeepCache run with the default ``fullgraph=False``: Token Merging's hooks trace into the graph
+with a break at its seeded random draw, DeepCache breaks the graph at its step lookup and
+recompiles for skipped steps. ``fullgraph=True`` cannot trace either and raises dynamo's
+``Unsupported`` error.
 
 A variable that does not apply to the pipeline's model family (e.g. ``NPU_ATTN_TOME`` for a
 Flux pipeline) is skipped with a warning, so one environment can serve every script; the same
@@ -28,6 +33,7 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
+from . import block_cache as _block_cache
 from . import deep_cache as _deep_cache
 from . import token_merging as _token_merging
 from .token_merging import ModelFamilyError
@@ -45,25 +51,32 @@ __all__ = [
     "reset_acceleration",
 ]
 
-METHODS = ("token_merging", "deep_cache")
-ENVIRONMENT = {"token_merging": "NPU_ATTN_TOME", "deep_cache": "NPU_ATTN_DEEPCACHE"}
+METHODS = ("token_merging", "deep_cache", "block_cache")
+ENVIRONMENT = {
+    "token_merging": "NPU_ATTN_TOME",
+    "deep_cache": "NPU_ATTN_DEEPCACHE",
+    "block_cache": "NPU_ATTN_BLOCK_CACHE",
+}
 
 _CHECK: dict[str, Callable[[Any, Any], Any]] = {
     "token_merging": _token_merging.check_token_merging,
     "deep_cache": _deep_cache.check_deep_cache,
+    "block_cache": _block_cache.check_block_cache,
 }
 _APPLY: dict[str, Callable[[Any, Any], Any]] = {
     "token_merging": _token_merging.apply_token_merging,
     "deep_cache": _deep_cache.apply_deep_cache,
+    "block_cache": _block_cache.apply_block_cache,
 }
 _REMOVE: dict[str, Callable[[Any], bool]] = {
     "token_merging": _token_merging.remove_token_merging,
     "deep_cache": _deep_cache.remove_deep_cache,
+    "block_cache": _block_cache.remove_block_cache,
 }
 
 
 def environment_options() -> dict[str, Any]:
-    """The methods the environment asks for: ``{"token_merging": 0.5, "deep_cache": 3}``.
+    """The methods the environment asks for, e.g. ``{"token_merging": 0.5, "deep_cache": 3}``.
 
     Raises:
         ValueError: a variable that is set but not a number of the right kind.
@@ -86,6 +99,15 @@ def environment_options() -> dict[str, Any]:
             raise ValueError(
                 f"{ENVIRONMENT['deep_cache']} must be a DeepCache interval (an int >= 1), "
                 f"got {interval!r}"
+            ) from None
+    threshold = os.environ.get(ENVIRONMENT["block_cache"], "").strip()
+    if threshold:
+        try:
+            options["block_cache"] = float(threshold)
+        except ValueError:
+            raise ValueError(
+                f"{ENVIRONMENT['block_cache']} must be a block-cache threshold (a number >= 0), "
+                f"got {threshold!r}"
             ) from None
     return options
 
@@ -112,9 +134,11 @@ def accelerate(
     *,
     token_merging: Any = None,
     deep_cache: Any = None,
+    block_cache: Any = None,
     **unknown: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Enable Token Merging and/or DeepCache on a pipeline (each replaces an earlier setting).
+    """Enable Token Merging, DeepCache and/or block caching on a pipeline (each replaces an
+    earlier setting).
 
     Args:
         target: a diffusers pipeline (Token Merging also takes a ``UNet2DConditionModel``).
@@ -125,10 +149,14 @@ def accelerate(
         deep_cache: a cache interval >= 1 (1 is exact), or a dict with ``cache_interval`` and
             ``cache_branch_id``, for UNet pipelines; for transformer models with diffusers'
             cache hooks, one of diffusers' cache configs (e.g. ``FirstBlockCacheConfig``).
+        block_cache: First Block Cache for transformer models: a threshold >= 0 (0 is exact),
+            or a dict of :class:`~npu_attn.block_cache.BlockCacheOptions` fields
+            (``threshold`` or ``interval``). SD3 and HiDream (npu_attn's), models with
+            diffusers' cache hooks (Flux, ...: diffusers' ``FirstBlockCache``).
         unknown: anything else raises ``TypeError``.
 
-    With neither option, the environment decides (``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``);
-    unset, nothing changes. ``None`` leaves a method as it is.
+    With no option, the environment decides (``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``,
+    ``NPU_ATTN_BLOCK_CACHE``); unset, nothing changes. ``None`` leaves a method as it is.
 
     Returns:
         What was applied, per method, e.g. ``{"token_merging": {"ratio": 0.5, ...,
@@ -142,12 +170,24 @@ def accelerate(
         raise TypeError(
             f"accelerate got unknown options {sorted(unknown)}; valid: {', '.join(METHODS)}"
         )
-    requested = {"token_merging": token_merging, "deep_cache": deep_cache}
+    requested = {
+        "token_merging": token_merging,
+        "deep_cache": deep_cache,
+        "block_cache": block_cache,
+    }
     requested = {method: value for method, value in requested.items() if value is not None}
     if requested:
         checked = {method: _CHECK[method](target, value) for method, value in requested.items()}
     else:
         checked = _checked_environment_options(target)
+    diffusers_cache = "deep_cache" in checked and not isinstance(
+        checked["deep_cache"], _deep_cache.DeepCacheOptions
+    )
+    if diffusers_cache and "block_cache" in checked:
+        raise ValueError(
+            "deep_cache with a diffusers cache config and block_cache both cache the "
+            "transformer's blocks; choose one"
+        )
     applied = {method: _APPLY[method](target, options) for method, options in checked.items()}
     for method, settings in applied.items():
         logger.info("npu_attn: %s: %s -> %s", type(target).__name__, method, settings)
@@ -157,16 +197,17 @@ def accelerate(
 def accelerate_from_environment(target: Any) -> dict[str, dict[str, Any]]:
     """What ``set_attention_strategy`` (or any entry point) calls so that scripts benefit
     unchanged: :func:`accelerate` with the environment's options; returns at once, changing
-    nothing, when neither ``NPU_ATTN_TOME`` nor ``NPU_ATTN_DEEPCACHE`` is set."""
+    nothing, when none of ``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``, ``NPU_ATTN_BLOCK_CACHE``
+    is set."""
     if not any(os.environ.get(variable, "").strip() for variable in ENVIRONMENT.values()):
         return {}
     return accelerate(target)
 
 
 def reset_acceleration(target: Any, method: Optional[str] = None) -> list[str]:
-    """Remove what :func:`accelerate` applied (``method``: only ``"token_merging"`` or
-    ``"deep_cache"``); the original modules and ``forward`` methods run again, the attention
-    strategy stays. Returns the methods that were removed."""
+    """Remove what :func:`accelerate` applied (``method``: only ``"token_merging"``,
+    ``"deep_cache"`` or ``"block_cache"``); the original modules and ``forward`` methods run
+    again, the attention strategy stays. Returns the methods that were removed."""
     if method is not None and method not in METHODS:
         raise ValueError(f"reset_acceleration method must be one of {METHODS}, got {method!r}")
     removed = []
@@ -180,9 +221,10 @@ def reset_acceleration(target: Any, method: Optional[str] = None) -> list[str]:
 
 
 def acceleration_of(target: Any) -> dict[str, dict[str, Any]]:
-    """The methods currently applied to a pipeline (or UNet) and their settings."""
+    """The methods currently applied to a pipeline (or model) and their settings."""
     found = {
         "token_merging": _token_merging.token_merging_of(target),
         "deep_cache": _deep_cache.deep_cache_of(target),
+        "block_cache": _block_cache.block_cache_of(target),
     }
     return {method: settings for method, settings in found.items() if settings is not None}

@@ -22,10 +22,16 @@ input shape differs from the cached one computes everything.
 DeepCache is lossy: never enabled unless asked for (``cache_interval=1`` is exact: every step
 is computed).
 
+Pickling: the instance ``forward``s and the pre-hook are small classes (not closures), so an
+accelerated UNet or pipeline pickles, ``torch.save``s and deep-copies; the state keeps only a
+weak reference to its pipeline, which a link stored on the pipeline restores in the copy. A
+UNet copied without its pipeline raises a clear error until DeepCache is applied to the
+pipeline it now runs in.
+
 Transformer models (Flux and others with diffusers' ``CacheMixin``) are not UNets; diffusers
 ships caches for them (FirstBlockCache, PyramidAttentionBroadcast, FasterCache, TaylorSeer,
 ...), and npu_attn applies the config object you pass (``model.enable_cache``) rather than
-re-implement any of them.
+re-implement any of them. SD3 and HiDream have no ``CacheMixin``: see :mod:`.block_cache`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -48,6 +54,7 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_npu_attn_deep_cache"
+_LINK_ATTR = "_npu_attn_deep_cache_link"  # on the pipeline: re-attaches copies (pickling)
 LAYERS_PER_BRANCH_BLOCK = 3  # DeepCacheSDHelper's cache_branch_id -> (block, layer) split
 
 
@@ -93,7 +100,8 @@ class _State:
 
     def __init__(self, options: DeepCacheOptions, pipe: Any) -> None:
         self.options = options
-        self._pipe = weakref.ref(pipe)  # the pipeline owns the UNet; do not keep it alive
+        # The pipeline owns the UNet: a weak reference, so the UNet does not keep it alive.
+        self._pipe: Optional[weakref.ref] = weakref.ref(pipe)
         self.cache: dict[tuple[int, str], Any] = {}
         self.cached_shape: dict[int, tuple[int, ...]] = {}  # per call in a step
         self.start_index: Optional[int] = None
@@ -101,12 +109,18 @@ class _State:
         self.call_in_step = 0
         self.skipping = False
         self.skipped_steps = 0
-        self.wrapped: list[tuple[torch.nn.Module, Optional[Callable]]] = []
+        self.wrapped: list[InstanceForward] = []
         self.handle: Any = None
 
     def step_index(self, timestep: Any) -> int:
         """The index of ``timestep`` in the pipeline's scheduler (DeepCacheSDHelper's rule)."""
-        pipe = self._pipe()
+        pipe = self._pipe() if self._pipe is not None else None
+        if pipe is None:
+            raise RuntimeError(
+                "deep_cache: this UNet is no longer attached to its pipeline (it was pickled or "
+                "copied without it); apply DeepCache to the pipeline it runs in again: "
+                "npu_attn.accelerate(pipe, deep_cache=...)"
+            )
         timesteps = getattr(getattr(pipe, "scheduler", None), "timesteps", None)
         if timesteps is None:
             raise RuntimeError("deep_cache: the pipeline's scheduler has no timesteps yet")
@@ -148,24 +162,105 @@ class _State:
             return layer_id >= self.options.layer_id
         return layer_id > self.options.layer_id
 
+    # Pickling (pickle, torch.save, copy.deepcopy of the UNet or the pipeline): everything but
+    # the weak reference to the pipeline, which the pipeline's _PipelineLink restores when the
+    # pipeline is pickled with the UNet (a UNet copied alone asks to be attached again).
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pipe": None}
+
+
+class _PipelineLink:
+    """Stored on the pipeline: when the pipeline is pickled or deep-copied, it re-attaches the
+    copied DeepCache state to the copied pipeline (pickle rebuilds ``(pipeline, state)`` from
+    its memo, so both are the copies)."""
+
+    def __init__(self, pipe: Any, state: _State) -> None:
+        self._pipe = weakref.ref(pipe)
+        self.state = state
+
+    def __reduce__(self):
+        return (_relink, (self._pipe(), self.state))
+
+
+def _relink(pipe: Any, state: _State) -> Optional[_PipelineLink]:
+    if pipe is None:  # the link was copied without its pipeline: nothing to attach to
+        return None
+    state._pipe = weakref.ref(pipe)
+    return _PipelineLink(pipe, state)
+
+
+class InstanceForward:
+    """A module's instance ``forward`` that can still run the module's previous ``forward``
+    (the class's, or an earlier instance ``forward``).
+
+    A module-level class rather than a closure, so that a model carrying it pickles and
+    deep-copies (the approach of diffusers_integration's processor wrappers); ``__wrapped__``
+    lets ``inspect.signature`` see the real signature.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.previous = module.__dict__.get("forward")  # None: the class's forward
+
+    def original(self, *args, **kwargs):
+        if self.previous is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.previous(*args, **kwargs)
+
+    @property
+    def __wrapped__(self):
+        return self.previous or type(self.module).forward.__get__(self.module)
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def uninstall(self) -> None:
+        if self.previous is None:
+            del self.module.forward  # the class's forward again
+        else:
+            self.module.forward = self.previous
+
 
 # --------------------------------------------------------------------------- attaching it
-def _wrap_forward(module: torch.nn.Module, state: _State, where: tuple[str, int, int], key: str):
-    """Give ``module`` an instance ``forward`` that returns its cached output on skipped steps
-    (the module's previous instance ``forward``, if any, is kept to put back)."""
-    previous = module.__dict__.get("forward")
-    original = module.forward
+class _CachedForward(InstanceForward):
+    """DeepCache's instance ``forward``: the cached output on skipped steps (a class, not a
+    closure, so that the UNet pickles)."""
 
-    def forward(*args, **kwargs):
-        cache_key = (state.call_in_step, key)
-        if state.skips(*where):
+    def __init__(
+        self, module: torch.nn.Module, state: _State, where: tuple[str, int, int], key: str
+    ) -> None:
+        super().__init__(module)
+        self.state = state
+        self.where = where
+        self.key = key
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        cache_key = (state.call_in_step, self.key)
+        if state.skips(*self.where):
             return state.cache[cache_key]
-        output = original(*args, **kwargs)
+        output = self.original(*args, **kwargs)
         state.cache[cache_key] = output
         return output
 
-    module.forward = forward
-    state.wrapped.append((module, previous))
+
+class _BeginCall:
+    """The UNet's forward pre-hook: which step this call is and whether it skips."""
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+
+    def __call__(self, _unet, args, kwargs):
+        timestep = args[1] if len(args) > 1 else kwargs["timestep"]
+        self.state.begin_call(timestep, args[0] if args else kwargs["sample"])
+
+
+def _wrap_forward(module: torch.nn.Module, state: _State, where: tuple[str, int, int], key: str):
+    """Give ``module`` an instance ``forward`` that returns its cached output on skipped steps
+    (the module's previous instance ``forward``, if any, is kept to put back)."""
+    wrapper = _CachedForward(module, state, where, key)
+    wrapper.install()
+    state.wrapped.append(wrapper)
 
 
 def _wrap_down_block(block, block_id: int, name: str, state: _State) -> None:
@@ -203,19 +298,12 @@ def _wrap_unet(unet: torch.nn.Module, state: _State) -> None:
     for i, block in enumerate(unet.up_blocks):
         _wrap_up_block(block, count - i - 1, f"up_blocks.{i}", state)
 
-    def begin_call(_unet, args, kwargs):
-        timestep = args[1] if len(args) > 1 else kwargs["timestep"]
-        state.begin_call(timestep, args[0] if args else kwargs["sample"])
-
-    state.handle = unet.register_forward_pre_hook(begin_call, with_kwargs=True)
+    state.handle = unet.register_forward_pre_hook(_BeginCall(state), with_kwargs=True)
 
 
 def _unwrap(state: _State) -> None:
-    for module, previous in reversed(state.wrapped):
-        if previous is None:
-            del module.forward  # the class's forward again
-        else:
-            module.forward = previous
+    for wrapper in reversed(state.wrapped):
+        wrapper.uninstall()
     state.wrapped.clear()
     if state.handle is not None:
         state.handle.remove()
@@ -289,6 +377,7 @@ def apply_deep_cache(target: Any, options: Any) -> dict[str, Any]:
         _unwrap(state)
         raise
     object.__setattr__(unet, _STATE_ATTR, state)  # plain attribute: not a submodule
+    object.__setattr__(pipe, _LINK_ATTR, _PipelineLink(pipe, state))
     return deep_cache_of(pipe)
 
 
@@ -303,6 +392,9 @@ def remove_deep_cache(target: Any) -> bool:
         return False
     if isinstance(state, _State):
         _unwrap(state)
+        pipe = state._pipe() if state._pipe is not None else None
+        if pipe is not None and getattr(pipe, _LINK_ATTR, None) is not None:
+            object.__delattr__(pipe, _LINK_ATTR)
     else:  # a diffusers cache config npu_attn enabled
         model.disable_cache()
     object.__delattr__(model, _STATE_ATTR)
@@ -333,11 +425,19 @@ def _denoiser(target: Any) -> Optional[torch.nn.Module]:
 
 def _cache_capable_model(target: Any, config: Any) -> torch.nn.Module:
     model = _denoiser(target)
+    name = type(model if model is not None else target).__name__
     if model is None or not hasattr(model, "enable_cache"):
-        name = type(model if model is not None else target).__name__
         raise ModelFamilyError(
             f"{name} does not support diffusers' cache hooks ({type(config).__name__}); "
-            "for UNet pipelines pass a cache interval (DeepCache)"
+            "for UNet pipelines pass a cache interval (DeepCache), for SD3 and HiDream use "
+            "block_cache=<threshold> (npu_attn's First Block Cache)"
+        )
+    enabled = getattr(model, "_cache_config", None)
+    if enabled is not None and model.__dict__.get(_STATE_ATTR) is None:
+        raise ValueError(
+            f"{name} already has diffusers' {type(enabled).__name__} enabled (by block_cache or "
+            "model.enable_cache); remove it first (npu_attn.reset_acceleration or "
+            "model.disable_cache())"
         )
     return model
 

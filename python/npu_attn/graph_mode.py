@@ -139,11 +139,12 @@ def compile(
     if fullgraph:
         from .acceleration import acceleration_of
 
-        if acceleration_of(target):
+        applied_methods = acceleration_of(target)
+        if applied_methods:
             raise ValueError(
-                "fullgraph=True cannot trace Token Merging's random destination draw or "
-                "DeepCache's step lookup (both break the graph); use fullgraph=False or "
-                "npu_attn.reset_acceleration(target) first"
+                f"fullgraph=True cannot trace {', '.join(sorted(applied_methods))} (Token "
+                "Merging's random destination draw and the caches' step bookkeeping break the "
+                "graph); use fullgraph=False or npu_attn.reset_acceleration(target) first"
             )
     applied = "unchanged"
     if strategy is not None:

@@ -276,18 +276,78 @@ def _replace_first_arg(args: tuple, kwargs: dict, name: str, value: torch.Tensor
     return args, {**kwargs, name: value}
 
 
-def _hook_merge_around(module: torch.nn.Module, slot: dict, state: _State) -> None:
-    """Merge ``module``'s first input and unmerge its output with the block's functions."""
+# The hooks are small module-level classes rather than closures, so that a UNet carrying them
+# pickles and deep-copies (the restored UNet merges exactly like the original: the generator's
+# state travels with it).
+class _Slot:
+    """One block's merge/unmerge functions, alive for one call of the block (never pickled:
+    they are per call and close over that call's indices)."""
 
-    def merge_input(_module, args, kwargs):
+    def __init__(self) -> None:
+        self.merge: Merge = _identity
+        self.unmerge: Merge = _identity
+
+    def clear(self) -> None:
+        self.merge = self.unmerge = _identity
+
+    def __reduce__(self):
+        return (_Slot, ())  # a copy starts empty
+
+
+class _RememberSize:
+    """The UNet's pre-hook: the latent size, which tells each block its downsampling."""
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+
+    def __call__(self, _unet, args, kwargs):
+        sample = _first_arg(args, kwargs, "sample")
+        self.state.size = (sample.shape[2], sample.shape[3])
+
+
+class _ComputeMerge:
+    """A block's pre-hook: merge/unmerge functions from the block's input."""
+
+    def __init__(self, state: _State, slot: _Slot) -> None:
+        self.state = state
+        self.slot = slot
+
+    def __call__(self, _block, args, kwargs):
         x = _first_arg(args, kwargs, "hidden_states")
-        return _replace_first_arg(args, kwargs, "hidden_states", slot["merge"](x))
+        self.slot.merge, self.slot.unmerge = self.state.merge_functions(x)
 
-    def unmerge_output(_module, _args, output):
-        return slot["unmerge"](output)
 
-    state.handles.append(module.register_forward_pre_hook(merge_input, with_kwargs=True))
-    state.handles.append(module.register_forward_hook(unmerge_output))
+class _Forget:
+    """A block's hook: drop the per-call functions (do not keep their index tensors alive)."""
+
+    def __init__(self, slot: _Slot) -> None:
+        self.slot = slot
+
+    def __call__(self, _block, _args, _output):
+        self.slot.clear()
+
+
+class _MergeInput:
+    def __init__(self, slot: _Slot) -> None:
+        self.slot = slot
+
+    def __call__(self, _module, args, kwargs):
+        x = _first_arg(args, kwargs, "hidden_states")
+        return _replace_first_arg(args, kwargs, "hidden_states", self.slot.merge(x))
+
+
+class _UnmergeOutput:
+    def __init__(self, slot: _Slot) -> None:
+        self.slot = slot
+
+    def __call__(self, _module, _args, output):
+        return self.slot.unmerge(output)
+
+
+def _hook_merge_around(module: torch.nn.Module, slot: _Slot, state: _State) -> None:
+    """Merge ``module``'s first input and unmerge its output with the block's functions."""
+    state.handles.append(module.register_forward_pre_hook(_MergeInput(slot), with_kwargs=True))
+    state.handles.append(module.register_forward_hook(_UnmergeOutput(slot)))
 
 
 def _hook_block(block: torch.nn.Module, state: _State) -> None:
@@ -297,17 +357,11 @@ def _hook_block(block: torch.nn.Module, state: _State) -> None:
             "token_merging merge_mlp cannot be combined with feed-forward chunking "
             "(enable_forward_chunking); disable one of them"
         )
-    slot: dict[str, Merge] = {}
-
-    def compute(_block, args, kwargs):
-        merge, unmerge = state.merge_functions(_first_arg(args, kwargs, "hidden_states"))
-        slot["merge"], slot["unmerge"] = merge, unmerge
-
-    def forget(_block, _args, _output):
-        slot.clear()  # the index tensors are per call; do not keep them alive
-
-    state.handles.append(block.register_forward_pre_hook(compute, with_kwargs=True))
-    state.handles.append(block.register_forward_hook(forget))
+    slot = _Slot()
+    state.handles.append(
+        block.register_forward_pre_hook(_ComputeMerge(state, slot), with_kwargs=True)
+    )
+    state.handles.append(block.register_forward_hook(_Forget(slot)))
     targets = [
         (options.merge_attn, block.attn1),
         (options.merge_crossattn, getattr(block, "attn2", None)),
@@ -376,12 +430,7 @@ def apply_token_merging(target: Any, options: Any) -> dict[str, Any]:
     max_downsample = options.max_downsample or _highest_attention_downsample(unet)
     remove_token_merging(unet)
     state = _State(options, max_downsample)
-
-    def remember_size(_unet, args, kwargs):
-        sample = _first_arg(args, kwargs, "sample")
-        state.size = (sample.shape[2], sample.shape[3])
-
-    state.handles.append(unet.register_forward_pre_hook(remember_size, with_kwargs=True))
+    state.handles.append(unet.register_forward_pre_hook(_RememberSize(state), with_kwargs=True))
     try:
         for block in blocks:
             _hook_block(block, state)

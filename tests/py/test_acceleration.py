@@ -12,7 +12,16 @@ import npu_attn
 from npu_attn import strategies
 from npu_attn.acceleration import accelerate_from_environment, environment_options
 from npu_attn.token_merging import ModelFamilyError
-from tiny_accel_models import generate, run, sd15_pipeline, sdxl_pipeline, tiny_sd15_unet
+from tiny_accel_models import (
+    generate,
+    generate_transformer,
+    hidream_pipeline,
+    run,
+    sd3_pipeline,
+    sd15_pipeline,
+    sdxl_pipeline,
+    tiny_sd15_unet,
+)
 from tiny_models import tiny_flux
 
 STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
@@ -25,7 +34,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("NPU_ATTN_STRATEGY", "DIFFUSERS_ATTENTION_TYPE"):
         monkeypatch.delenv(name, raising=False)
-    for name in ("NPU_ATTN_TOME", "NPU_ATTN_DEEPCACHE"):
+    for name in ("NPU_ATTN_TOME", "NPU_ATTN_DEEPCACHE", "NPU_ATTN_BLOCK_CACHE"):
         monkeypatch.delenv(name, raising=False)
     strategies.auto_selector._memory.clear()
     npu_attn.reset_attention_strategy(None)
@@ -186,6 +195,7 @@ def test_environment_applies_both(monkeypatch):
         ("NPU_ATTN_TOME", "1.5", r"NPU_ATTN_TOME=1.5: token_merging ratio must be in \[0, 1\)"),
         ("NPU_ATTN_DEEPCACHE", "2.5", "NPU_ATTN_DEEPCACHE must be a DeepCache interval"),
         ("NPU_ATTN_DEEPCACHE", "0", "NPU_ATTN_DEEPCACHE=0: deep_cache cache_interval must be"),
+        ("NPU_ATTN_BLOCK_CACHE", "high", "NPU_ATTN_BLOCK_CACHE must be a block-cache threshold"),
     ],
 )
 def test_bad_environment_values_name_the_variable(monkeypatch, variable, value, match):
@@ -210,6 +220,11 @@ def test_environment_skips_methods_that_do_not_apply(monkeypatch, caplog):
         assert npu_attn.accelerate(FluxLike()) == {}
     assert "NPU_ATTN_TOME=0.5 ignored for FluxLike" in caplog.text
     assert "NPU_ATTN_DEEPCACHE=3 ignored for FluxLike" in caplog.text
+    monkeypatch.setenv("NPU_ATTN_BLOCK_CACHE", "0.1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="npu_attn"):
+        assert set(npu_attn.accelerate(sd15_pipeline())) == {"token_merging", "deep_cache"}
+    assert "NPU_ATTN_BLOCK_CACHE=0.1 ignored for StableDiffusionPipeline" in caplog.text
     # A bare UNet: Token Merging applies, DeepCache (which needs the pipeline) is skipped.
     unet = tiny_sd15_unet()
     assert set(npu_attn.accelerate(unet)) == {"token_merging"}
@@ -226,3 +241,52 @@ def test_bad_options_raise_before_anything_changes():
         npu_attn.accelerate(FluxLike(), token_merging=0.5)
     with pytest.raises(ModelFamilyError, match="deep_cache needs the pipeline"):
         npu_attn.accelerate(tiny_sd15_unet(), deep_cache=2)
+
+
+# --------------------------------------------------------------------------- block cache
+@pytest.mark.parametrize("make", [sd3_pipeline, hidream_pipeline], ids=["sd3", "hidream"])
+def test_block_cache_one_call_one_undo_and_environment(make, monkeypatch):
+    pipe = make()
+    state = module_state(pipe.transformer)
+    plain = generate_transformer(pipe)
+    applied = npu_attn.accelerate(pipe, block_cache={"interval": 2})
+    assert applied["block_cache"]["implementation"] == "npu_attn"
+    assert not torch.equal(generate_transformer(pipe), plain)
+    assert npu_attn.acceleration_of(pipe)["block_cache"]["skipped_calls"] == 4  # of 8
+    assert npu_attn.reset_acceleration(pipe) == ["block_cache"]
+    assert module_state(pipe.transformer) == state
+    assert torch.equal(generate_transformer(pipe), plain)
+    monkeypatch.setenv("NPU_ATTN_BLOCK_CACHE", "0.2")
+    monkeypatch.setenv("NPU_ATTN_TOME", "0.5")  # UNet only: skipped with a warning
+    assert environment_options()["block_cache"] == 0.2
+    assert accelerate_from_environment(pipe)["block_cache"]["threshold"] == 0.2
+    npu_attn.set_attention_strategy(pipe, "tiled")  # applies the environment too
+    assert set(npu_attn.acceleration_of(pipe)) == {"block_cache"}
+
+
+def test_block_cache_composes_with_attention_strategies():
+    pipe = sd3_pipeline()
+    npu_attn.accelerate(pipe, block_cache={"interval": 2})
+    cached = generate_transformer(pipe)
+    npu_attn.set_attention_strategy(pipe, "tiled")
+    strategies.reset_call_counts()
+    close(generate_transformer(pipe), cached)
+    assert strategies.call_counts().get("tiled", 0) > 0
+    npu_attn.reset_acceleration(pipe)
+    assert npu_attn.attention_strategy_of(pipe.transformer) == {"tiled": 3}
+
+
+def test_block_cache_and_a_diffusers_cache_config_cannot_share_a_model():
+    from diffusers import FirstBlockCacheConfig
+
+    flux = FluxLike()
+    with pytest.raises(ValueError, match="both cache the transformer's blocks; choose one"):
+        npu_attn.accelerate(flux, deep_cache=FirstBlockCacheConfig(threshold=0.1), block_cache=0.1)
+    assert npu_attn.acceleration_of(flux) == {}
+    npu_attn.accelerate(flux, block_cache=0.1)
+    with pytest.raises(ValueError, match="already has diffusers' FirstBlockCacheConfig enabled"):
+        npu_attn.accelerate(flux, deep_cache=FirstBlockCacheConfig(threshold=0.1))
+    assert npu_attn.reset_acceleration(flux) == ["block_cache"]
+    assert flux.transformer._cache_config is None
+    with pytest.raises(ModelFamilyError, match="block_cache applies to transformer models"):
+        npu_attn.accelerate(sd15_pipeline(), block_cache=0.1)

@@ -1,12 +1,18 @@
-"""Tiny UNets and pipelines with the block structure of SD-1.5 and SDXL (random weights, no
-downloads) for the Token Merging and DeepCache tests: where transformer blocks sit decides where
-tokens merge and which branch DeepCache caches, so the structure, not the size, must be real."""
+"""Tiny UNets and pipelines with the block structure of SD-1.5 and SDXL, and tiny SD3 and
+HiDream pipelines (random weights, no downloads) for the Token Merging, DeepCache and block
+cache tests: where transformer blocks sit decides where tokens merge and which branch or blocks
+a cache skips, so the structure, not the size, must be real."""
 
 from __future__ import annotations
 
 import torch
 from diffusers import (
     DDIMScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    HiDreamImagePipeline,
+    HiDreamImageTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -128,3 +134,135 @@ def generate(pipe, steps: int = 4, size: int = 32) -> torch.Tensor:
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
     ).images
+
+
+# --------------------------------------------------------------------------- transformers
+SD3_TEXT_DIM = 32
+SD3_POOLED_DIM = 64
+
+
+def tiny_sd3_transformer(layers: int = 3) -> SD3Transformer2DModel:
+    """SD3's MMDiT: joint blocks, the last one context_pre_only (it returns no text stream)."""
+    torch.manual_seed(0)
+    return SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=1,
+        in_channels=4,
+        num_layers=layers,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=SD3_TEXT_DIM,
+        pooled_projection_dim=SD3_POOLED_DIM,
+        out_channels=4,
+    ).eval()
+
+
+def tiny_hidream_transformer() -> HiDreamImageTransformer2DModel:
+    """HiDream: 2 double-stream and 2 single-stream blocks (MoE feed-forwards), a Llama layer
+    per block."""
+    torch.manual_seed(0)
+    return HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_channels=[8, 4],
+        text_emb_dim=8,
+        num_routed_experts=2,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(32, 32),
+        llama_layers=(0, 1, 0, 1),
+    ).eval()
+
+
+def sd3_pipeline(layers: int = 3) -> StableDiffusion3Pipeline:
+    pipe = StableDiffusion3Pipeline(
+        transformer=tiny_sd3_transformer(layers),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def hidream_pipeline() -> HiDreamImagePipeline:
+    pipe = HiDreamImagePipeline(
+        transformer=tiny_hidream_transformer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny_vae(),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        text_encoder_4=None,
+        tokenizer_4=None,
+    )
+    # HiDream rescales every request to default_sample_size**2 latent pixels: keep it tiny.
+    pipe.default_sample_size = 16
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate_transformer(pipe, steps: int = 8, size: int = 32, **options) -> torch.Tensor:
+    """Latents of a short CFG generation of an SD3 or HiDream pipeline (fixed embeddings)."""
+    g = torch.Generator().manual_seed(0)
+    if isinstance(pipe, HiDreamImagePipeline):
+        kwargs = {
+            "prompt_embeds_t5": torch.randn(1, 6, 8, generator=g),
+            "negative_prompt_embeds_t5": torch.randn(1, 6, 8, generator=g),
+            "prompt_embeds_llama3": torch.randn(2, 1, 5, 4, generator=g),
+            "negative_prompt_embeds_llama3": torch.randn(2, 1, 5, 4, generator=g),
+            "pooled_prompt_embeds": torch.randn(1, 8, generator=g),
+            "negative_pooled_prompt_embeds": torch.randn(1, 8, generator=g),
+        }
+    else:
+        kwargs = {
+            "prompt_embeds": torch.randn(1, 7, SD3_TEXT_DIM, generator=g),
+            "negative_prompt_embeds": torch.randn(1, 7, SD3_TEXT_DIM, generator=g),
+            "pooled_prompt_embeds": torch.randn(1, SD3_POOLED_DIM, generator=g),
+            "negative_pooled_prompt_embeds": torch.randn(1, SD3_POOLED_DIM, generator=g),
+        }
+    return pipe(
+        **kwargs,
+        **options,
+        num_inference_steps=steps,
+        height=size,
+        width=size,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).images
+
+
+def transformer_call(model, timestep: float, seed: int = 0, tokens: int = 16) -> torch.Tensor:
+    """One denoiser call at ``timestep`` with fixed inputs (a step loop without a scheduler)."""
+    g = torch.Generator().manual_seed(seed)
+    sample = torch.randn(2, 4, tokens, tokens, generator=g)
+    t = torch.tensor([timestep, timestep])
+    with torch.no_grad():
+        if hasattr(model, "transformer_blocks"):
+            return model(
+                hidden_states=sample,
+                encoder_hidden_states=torch.randn(2, 7, SD3_TEXT_DIM, generator=g),
+                pooled_projections=torch.randn(2, SD3_POOLED_DIM, generator=g),
+                timestep=t,
+            ).sample
+        return model(
+            hidden_states=sample,
+            timesteps=t,
+            encoder_hidden_states_t5=torch.randn(2, 6, 8, generator=g),
+            encoder_hidden_states_llama3=torch.randn(2, 2, 5, 4, generator=g),
+            pooled_embeds=torch.randn(2, 8, generator=g),
+        ).sample
