@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and "--parallel" in argv:  # scale-out benchmark, own options
+        from .bench_parallel import main as bench_parallel_main
+
+        return bench_parallel_main([a for a in argv[1:] if a != "--parallel"])
     if argv and argv[0] == "bench":  # the benchmark has its own options
         from .bench import main as bench_main
 

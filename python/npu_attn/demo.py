@@ -581,6 +581,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("npu_attn_out/demo"),
         help="output folder (default npu_attn_out/demo)",
     )
+    parser.add_argument(
+        "--parallel",
+        choices=["cfg"],
+        help="under torchrun: the guidance batch split across the processes (CFG-parallel), "
+        "against one process; e.g. torchrun --nproc-per-node 2 -m npu_attn demo --parallel cfg",
+    )
     return parser
 
 
@@ -598,6 +604,69 @@ def prepare_pipeline(args):
     return pipe, cross_dim, f"{args.model} architecture, RANDOM weights (the image is noise)"
 
 
+def run_parallel(args) -> int:
+    """``--parallel cfg`` (under torchrun): the denoising loop CFG-parallel over the processes,
+    then the same generation in each process alone as the reference; rank 0 prints the table
+    and saves the image. Every rank checks it returned the same latents."""
+    import torch
+    import torch.distributed as dist
+
+    from . import _runtime
+    from .device import DeviceManager
+    from .parallel import (
+        disable_cfg_parallel,
+        enable_cfg_parallel,
+        init_distributed,
+        shutdown_distributed,
+    )
+
+    try:
+        rank, world = init_distributed()
+    except RuntimeError as e:  # not started by torchrun: say how
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    say = print if rank == 0 else (lambda *_: None)
+    try:
+        dm = DeviceManager()
+        pipe, cross_dim, source = prepare_pipeline(args)
+        pipe = pipe.to(dm.device, dm.dtype)
+        embeds = prompt_embeddings(pipe, cross_dim, dm.dtype, dm.device, args.prompt)
+        strategy = "tiled" if dm.device.type == "cpu" else "auto"
+        threads = _runtime.get_num_threads()
+        say(
+            f"npu_attn demo: CFG-parallel over {world} processes x {threads} threads; {source}; "
+            f"{args.size}x{args.size}, {args.steps} steps, {str(dm.dtype)[6:]}, strategy {strategy}"
+        )
+        enable_cfg_parallel(pipe)
+        split = denoise(pipe, strategy, args, embeds, dm, f"CFG-parallel, {world} processes")
+        gathered = [torch.empty_like(split.latents) for _ in range(world)]
+        dist.all_gather(gathered, split.latents)
+        same = all(torch.equal(g, split.latents) for g in gathered)
+        disable_cfg_parallel(pipe)
+        alone = denoise(pipe, strategy, args, embeds, dm, "one process alone (reference)")
+        say("\n| run | s / step | latents rel. error vs one process |\n|---|---|---|")
+        say(
+            f"| {split.label} | {split.seconds_per_step:.2f} | "
+            f"{relative_error(split.latents, alone.latents):.1e} |"
+        )
+        say(f"| {alone.label} | {alone.seconds_per_step:.2f} | reference |")
+        say(
+            "(each process has the same threads in both rows; `python -m npu_attn bench "
+            "--parallel` compares 1 process x N threads with N processes x 1 thread)"
+        )
+        if not same:
+            print(f"rank {rank}: the ranks returned DIFFERENT latents", file=sys.stderr)
+            return 1
+        say("every rank returned the same latents")
+        if rank == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            save_image(pipe, decode(pipe, split.latents), args.out / "image.png")
+            say(f"wrote {args.out / 'image.png'}")
+        return 0
+    finally:
+        shutdown_distributed()
+
+
 def run(args) -> int:
     """The demo itself (see the module docstring); 0 on success, 2 for an unusable --weights."""
     import torch
@@ -608,6 +677,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
         _runtime.set_num_threads(args.threads)
+    if args.parallel:
+        return run_parallel(args)
     dm = DeviceManager()
     try:
         pipe, cross_dim, source = prepare_pipeline(args)

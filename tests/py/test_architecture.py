@@ -42,9 +42,28 @@ LAYERS = [
         "token_merging",
         "deep_cache",
         "acceleration",
+        "block_cache",
+        "parallel",
+        "parallel._group",
+        "parallel._inputs",
+        "parallel._layout",
+        "parallel.cfg",
+        "parallel.context",
+        "parallel.ring",
+        "parallel.scaling",
+        "parallel.ulysses",
     },
     {"device"},
-    {"doctor", "bench", "bench_e2e", "bench_report", "demo", "__main__", "__init__"},
+    {
+        "doctor",
+        "bench",
+        "bench_e2e",
+        "bench_parallel",
+        "bench_report",
+        "demo",
+        "__main__",
+        "__init__",
+    },
 ]
 LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}
 
@@ -62,8 +81,8 @@ def _resolve(importer: str, node: ast.ImportFrom) -> list[str]:
         base = node.module.split(".")[1:]
     else:
         package = importer.split(".")[:-1] if "." in importer else []
-        if importer == "_backends":  # the package's own __init__
-            package = ["_backends"]
+        if importer in ("_backends", "parallel"):  # a package's own __init__
+            package = [importer]
         base = package[: len(package) - (node.level - 1)] + (
             node.module.split(".") if node.module else []
         )
