@@ -18,7 +18,7 @@ from diffusers import (
     UNet2DConditionModel,
 )
 
-from tiny_models import tiny_vae
+from tiny_models import tiny_hidream, tiny_sd3, tiny_vae
 
 TEXT_DIM = 8  # cross-attention (prompt embedding) width
 POOLED_DIM = 8  # SDXL pooled text embedding width
@@ -143,41 +143,12 @@ SD3_POOLED_DIM = 64
 
 def tiny_sd3_transformer(layers: int = 3) -> SD3Transformer2DModel:
     """SD3's MMDiT: joint blocks, the last one context_pre_only (it returns no text stream)."""
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(
-        sample_size=32,
-        patch_size=1,
-        in_channels=4,
-        num_layers=layers,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        caption_projection_dim=32,
-        joint_attention_dim=SD3_TEXT_DIM,
-        pooled_projection_dim=SD3_POOLED_DIM,
-        out_channels=4,
-    ).eval()
+    return tiny_sd3(layers)
 
 
 def tiny_hidream_transformer() -> HiDreamImageTransformer2DModel:
-    """HiDream: 2 double-stream and 2 single-stream blocks (MoE feed-forwards), a Llama layer
-    per block."""
-    torch.manual_seed(0)
-    return HiDreamImageTransformer2DModel(
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=2,
-        num_single_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        caption_channels=[8, 4],
-        text_emb_dim=8,
-        num_routed_experts=2,
-        num_activated_experts=2,
-        axes_dims_rope=(4, 2, 2),
-        max_resolution=(32, 32),
-        llama_layers=(0, 1, 0, 1),
-    ).eval()
+    """HiDream: 2 double-stream and 2 single-stream blocks."""
+    return tiny_hidream(2)
 
 
 def sd3_pipeline(layers: int = 3) -> StableDiffusion3Pipeline:

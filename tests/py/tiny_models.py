@@ -41,13 +41,13 @@ def tiny_vae():
     ).eval()
 
 
-def tiny_sd3():
+def tiny_sd3(layers: int = 1):
     torch.manual_seed(0)
     return SD3Transformer2DModel(
         sample_size=32,
         patch_size=1,
         in_channels=4,
-        num_layers=1,
+        num_layers=layers,
         attention_head_dim=8,
         num_attention_heads=4,
         caption_projection_dim=32,
@@ -72,14 +72,16 @@ def tiny_flux():
     ).eval()
 
 
-def tiny_hidream():
+def tiny_hidream(layers: int = 1):
+    """``layers`` double-stream and ``layers`` single-stream blocks (MoE feed-forwards), a
+    Llama layer per block."""
     torch.manual_seed(0)
     return HiDreamImageTransformer2DModel(
         patch_size=2,
         in_channels=4,
         out_channels=4,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=layers,
+        num_single_layers=layers,
         attention_head_dim=8,
         num_attention_heads=4,
         caption_channels=[8, 4],
@@ -88,7 +90,7 @@ def tiny_hidream():
         num_activated_experts=2,
         axes_dims_rope=(4, 2, 2),
         max_resolution=(32, 32),
-        llama_layers=(0, 1),
+        llama_layers=(0, 1) * layers,
     ).eval()
 
 
