@@ -65,6 +65,20 @@ def images_table(report: Path) -> list[str]:
     return images_markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
 
 
+def parallel_table(report: Path) -> list[str]:
+    """CFG-parallel against one process (python -m npu_attn bench --parallel --json ...)."""
+    from npu_attn.bench_parallel import markdown
+
+    return markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
+
+
+def scaling_rows() -> list[str]:
+    """The context-parallel communication model (computed, not measured)."""
+    from npu_attn.bench_parallel import scaling_table
+
+    return scaling_table()
+
+
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     full = table_lines(root / "full.log")
@@ -80,6 +94,8 @@ def main() -> int:
     images = images_table(root / "images_bf16.json")
     demo = demo_table(root / "demo_sd15_fp32" / "results.json")
     demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
+    parallel_fp32 = parallel_table(root / "parallel_fp32.json")
+    parallel_bf16 = parallel_table(root / "parallel_bf16.json")
     text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
     for key, lines in (
         ("FULL", full),
@@ -93,6 +109,9 @@ def main() -> int:
         ("E2E_FP32", e2e_fp32),
         ("IMAGES_BF16", images),
         ("DEMO_BF16", demo_bf16),
+        ("PARALLEL_FP32", parallel_fp32),
+        ("PARALLEL_BF16", parallel_bf16),
+        ("PARALLEL_SCALING", scaling_rows()),
     ):
         text = text.replace(f"{{{key}}}", "\n".join(lines))
     sys.stdout.write(text)

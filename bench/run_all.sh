@@ -22,6 +22,9 @@ NPU_ATTN_DTYPE=bfloat16 "$PY" -m npu_attn demo --steps 3 --out bench_out/demo_sd
   --plot bench_out/e2e_fp32.png > bench_out/e2e_fp32.log
 "$PY" -m npu_attn bench --e2e --images 20 --dtype bfloat16 --repeats 2 \
   --json bench_out/images_bf16.json > bench_out/images_bf16.log
+"$PY" -m npu_attn bench --parallel --json bench_out/parallel_fp32.json > bench_out/parallel_fp32.log
+"$PY" -m npu_attn bench --parallel --dtype bfloat16 --json bench_out/parallel_bf16.json \
+  > bench_out/parallel_bf16.log
 mkdir -p docs/benchmarks
 cp bench_out/e2e_fp32.png docs/benchmarks/e2e_fp32.png
 cp bench_out/e2e_bf16.png docs/benchmarks/e2e_bf16.png

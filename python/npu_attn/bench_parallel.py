@@ -3,10 +3,11 @@ would send over the network on N machines.
 
 1. **CFG-parallel, measured**: seconds per denoising step of the demo's pipeline (SD-1.5's
    architecture with random weights at 512x512 by default, guidance batch of 2, the ``tiled``
-   strategy), first in one process with T threads, then in W processes with T / W threads
-   each, CFG-parallel. The W processes are started here the way torchrun starts them
-   (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` on 127.0.0.1). The bytes each rank
-   sent per step are counted (:func:`npu_attn.parallel.comm_stats`).
+   strategy), in one process with T threads and in W processes with T / W threads each,
+   CFG-parallel, alternating for ``--rounds`` rounds (medians reported). The W processes are
+   started here the way torchrun starts them (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+   ``WORLD_SIZE`` on 127.0.0.1). The bytes each rank sent per step are counted
+   (:func:`npu_attn.parallel.comm_stats`).
 2. **Context parallel, modelled**: bytes per step and rank for ring and Ulysses attention at
    FLUX.1-dev, HiDream-I1 and SD3-medium sizes (1024x1024, bfloat16) for N = 2 to 16 ranks
    (:mod:`npu_attn.parallel.scaling`), with the time that takes at 10 Gbit/s.
@@ -30,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 RESULT_MARKER = "NPU_ATTN_BENCH_PARALLEL "
 LINK_BYTES_PER_SECOND = 10e9 / 8  # 10 Gbit/s Ethernet
@@ -70,9 +71,10 @@ def _pipeline(args: argparse.Namespace, rank: int):
     return pipe, size, generate
 
 
-def measure_cfg(args: argparse.Namespace, parallel: bool) -> dict[str, Any]:
-    """Seconds per step (after ``args.warmup`` warm-up steps) and bytes sent per step of the
-    demo pipeline in this process, CFG-parallel over the initialised group if ``parallel``."""
+def prepare_cfg(args: argparse.Namespace, parallel: bool) -> Callable[[], dict[str, Any]]:
+    """Builds the demo pipeline in this process (CFG-parallel over the initialised group if
+    ``parallel``), runs ``args.warmup`` untimed steps, and returns a function that times
+    ``args.steps`` steps: seconds per step and bytes sent per step."""
     import torch.distributed as dist
 
     from . import _runtime
@@ -82,21 +84,34 @@ def measure_cfg(args: argparse.Namespace, parallel: bool) -> dict[str, Any]:
     if parallel:
         enable_cfg_parallel(pipe)
     generate(args.warmup)  # first calls: kernel variant choice, allocator, thread pools
-    if parallel:
-        dist.barrier()  # start the clock together
-    reset_comm_stats()
-    start = time.perf_counter()
-    generate(args.steps)
-    seconds = time.perf_counter() - start
-    return {
-        "processes": dist.get_world_size() if parallel else 1,
-        "threads_per_process": _runtime.get_num_threads(),
-        "seconds_per_step": seconds / args.steps,
-        "bytes_sent_per_step": sum(comm_stats().values()) / args.steps,
-        "model": args.model,
-        "size": size,
-        "dtype": args.dtype,
-    }
+
+    def measure() -> dict[str, Any]:
+        if parallel:
+            dist.barrier()  # start the clock together
+        reset_comm_stats()
+        start = time.perf_counter()
+        generate(args.steps)
+        seconds = time.perf_counter() - start
+        return {
+            "processes": dist.get_world_size() if parallel else 1,
+            "threads_per_process": _runtime.get_num_threads(),
+            "seconds_per_step": seconds / args.steps,
+            "bytes_sent_per_step": sum(comm_stats().values()) / args.steps,
+            "model": args.model,
+            "size": size,
+            "dtype": args.dtype,
+        }
+
+    return measure
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median seconds per step (the lower middle one for an even count), with
+    every round's seconds per step under ``"rounds"``."""
+    ordered = sorted(runs, key=lambda run: run["seconds_per_step"])
+    middle = dict(ordered[(len(ordered) - 1) // 2])
+    middle["rounds"] = [run["seconds_per_step"] for run in runs]
+    return middle
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -110,7 +125,7 @@ def worker(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rank, _ = init_distributed()
     try:
-        result = measure_cfg(args, parallel=True)
+        result = prepare_cfg(args, parallel=True)()
     finally:
         shutdown_distributed()
     if rank == 0 and args.worker:  # for launch(), which parses it
@@ -207,6 +222,22 @@ def scaling_table(element_bytes: int = 2) -> list[str]:
     return lines
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The measured part of a ``--json`` report as Markdown: machine, table, verdict."""
+    machine, single, split = report["machine"], report["single"], report["cfg_parallel"]
+    rounds = len(single.get("rounds", [single["seconds_per_step"]]))
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs; torch "
+        f"{machine['torch']}; {machine['date']}. {single['model']} at {single['size']}px, "
+        f"{single['dtype']}, `tiled`; medians of {rounds} interleaved rounds.",
+        "",
+        *cfg_table(single, split),
+        "",
+        honest_note(single, split),
+    ]
+    return "\n".join(lines)
+
+
 def honest_note(single: dict[str, Any], split: dict[str, Any]) -> str:
     speed = single["seconds_per_step"] / split["seconds_per_step"]
     if speed < 1.05:
@@ -221,19 +252,38 @@ def honest_note(single: dict[str, Any], split: dict[str, Any]) -> str:
     )
 
 
+def busy_cpus(seconds: float = 1.0) -> Optional[float]:
+    """How many CPUs other processes kept busy over the next ``seconds`` (from /proc/stat;
+    None where that does not exist). Unlike the load average, this does not remember the
+    last minute (e.g. a benchmark that just finished)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="utf-8") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return 0.0
+    return (1.0 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
 def busy_warning() -> str:
     """A warning when other processes keep the CPU busy ("" otherwise): a run with as many
     threads as cores then waits for the busy core at every parallel region, which can make it
     many times slower than a one-thread process and the comparison meaningless."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # not available on this platform
-        return ""
-    if load < 0.5:
+    busy = busy_cpus()
+    if busy is None or busy < 0.3:
         return ""
     return (
-        f"warning: the 1-minute load average is {load:.1f} before the benchmark starts; "
-        "other processes are using the CPU and the timings below are not reliable"
+        f"warning: other processes keep {busy:.1f} CPUs busy before the benchmark starts; "
+        "the timings below are not reliable"
     )
 
 
@@ -253,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--world", type=int, default=2, help="processes (default 2)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of both configurations; medians are reported (default 3)",
+    )
+    parser.add_argument(
         "--threads", type=int, help="threads of the single process (default: all cores)"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -263,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("steps", "warmup", "world"):
+    for name in ("steps", "warmup", "world", "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1")
     if args.worker or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by us or torchrun
@@ -272,7 +328,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     per_process = max(1, threads // args.world)
     print(
         f"npu_attn bench --parallel: {args.model}, {args.dtype}, {args.steps} timed steps; "
-        f"1 process x {threads} threads, then {args.world} processes x {per_process} threads"
+        f"1 process x {threads} threads against {args.world} processes x {per_process} threads, "
+        f"{args.rounds} alternating rounds"
     )
     busy = busy_warning()
     if busy:
@@ -280,15 +337,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     torch.set_num_threads(threads)
-    single = measure_cfg(args, parallel=False)
-    split = launch(args, args.world, per_process)
-    print("\n" + "\n".join(cfg_table(single, split)))
-    print("\n" + honest_note(single, split))
+    measure_single = prepare_cfg(args, parallel=False)
+    singles, splits = [], []
+    # Interleaved rounds: the machine's state (other load, turbo, memory) drifts alike over both.
+    for round_index in range(args.rounds):
+        singles.append(measure_single())
+        splits.append(launch(args, args.world, per_process))
+        print(
+            f"round {round_index + 1}/{args.rounds}: 1 process "
+            f"{singles[-1]['seconds_per_step']:.3f} s/step, {args.world} processes "
+            f"{splits[-1]['seconds_per_step']:.3f} s/step",
+            flush=True,
+        )
+    single, split = median_run(singles), median_run(splits)
+    from .bench_report import machine_info
+
+    report = {"machine": machine_info(threads), "single": single, "cfg_parallel": split}
+    print("\n" + markdown(report))
     print("\nContext parallelism, bytes each rank sends per step (forward; scaling model):\n")
     print("\n".join(scaling_table()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"single": single, "cfg_parallel": split}, f, indent=1)
+            json.dump(report, f, indent=1)
     return 0
 
 

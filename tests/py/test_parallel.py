@@ -340,6 +340,22 @@ def test_bench_reports_and_command_line(capsys):
     assert rows[3] == "| 2 process(es) x 1 thread(s), CFG-parallel | 1.600 | 1.25x | 16,384 |"
     assert "1.25x" in bench_parallel.honest_note(single, split)
     assert "no gain" in bench_parallel.honest_note(single, {**split, "seconds_per_step": 2.0})
+    runs = [{**split, "seconds_per_step": t} for t in (1.9, 1.5, 1.7)]
+    median = bench_parallel.median_run(runs)
+    assert median["seconds_per_step"] == 1.7 and median["rounds"] == [1.9, 1.5, 1.7]
+    assert bench_parallel.median_run(runs[:2])["seconds_per_step"] == 1.5  # lower middle
+    machine = {"cpu": "Test CPU", "logical_cpus": 2, "torch": "2.13.0", "date": "today"}
+    info = {"bytes_sent_per_step": 0, "model": "sd15", "size": 512, "dtype": "float32"}
+    report = {
+        "machine": machine,
+        "single": {**single, **info, "rounds": [2.0, 2.1, 1.9]},
+        "cfg_parallel": {**split, **info},
+    }
+    text = bench_parallel.markdown(report)
+    assert text.startswith("Machine: Test CPU, 2 logical CPUs")
+    assert "medians of 3 interleaved rounds" in text and "| 1.600 | 1.25x |" in text
+    busy = bench_parallel.busy_cpus(0.05)
+    assert busy is None or 0.0 <= busy <= (os.cpu_count() or 1) + 1e-6
     table = bench_parallel.scaling_table()
     assert len(table) == 2 + len(MODEL_SHAPES) * len(bench_parallel.WORLDS)
     assert "| FLUX.1-dev 1024px | 2 | 1,614 | 1,614 |" in "\n".join(table)
