@@ -49,7 +49,8 @@ from typing import Any, Optional
 
 import torch
 
-from .deep_cache import InstanceForward
+from ._targets import StateAttribute, denoiser_of
+from .deep_cache import InstanceForward, refuse_other_diffusers_cache
 from .token_merging import ModelFamilyError
 
 __all__ = [
@@ -60,7 +61,7 @@ __all__ = [
     "remove_block_cache",
 ]
 
-_STATE_ATTR = "_npu_attn_block_cache"
+_STATE = StateAttribute("_npu_attn_block_cache")
 
 
 # --------------------------------------------------------------------------- options
@@ -186,15 +187,8 @@ def _block_metadata(block: torch.nn.Module) -> Any:
         raise ValueError(f"block_cache does not know what {type(block).__name__} returns") from None
 
 
-def _model_of(target: Any) -> Optional[torch.nn.Module]:
-    if isinstance(target, torch.nn.Module):
-        return target
-    model = getattr(target, "transformer", None)
-    return model if isinstance(model, torch.nn.Module) else None
-
-
 def _supported_model(target: Any) -> torch.nn.Module:
-    model = _model_of(target)
+    model = denoiser_of(target, ("transformer",), required=False)
     if model is not None and (type(model) in _families() or hasattr(model, "enable_cache")):
         return model
     name = type(model if model is not None else target).__name__
@@ -399,13 +393,7 @@ def check_block_cache(target: Any, options: Any) -> BlockCacheOptions:
                 f"block_cache interval is npu_attn's block cache (SD3, HiDream); {name} uses "
                 "diffusers' FirstBlockCache, which takes a threshold"
             )
-        enabled = getattr(model, "_cache_config", None)
-        if enabled is not None and model.__dict__.get(_STATE_ATTR) is None:
-            raise ValueError(
-                f"{name} already has diffusers' {type(enabled).__name__} enabled (by deep_cache "
-                "or model.enable_cache); remove it first (npu_attn.reset_acceleration or "
-                "model.disable_cache())"
-            )
+        refuse_other_diffusers_cache(model, _STATE, "deep_cache")
         return options
     blocks = _blocks(model, family)
     if len(blocks) < 2:
@@ -444,7 +432,7 @@ def apply_block_cache(target: Any, options: Any) -> dict[str, Any]:
         from diffusers.hooks import FirstBlockCacheConfig
 
         model.enable_cache(FirstBlockCacheConfig(threshold=options.threshold))
-        object.__setattr__(model, _STATE_ATTR, options)
+        _STATE.set(model, options)
         return block_cache_of(model)
     state = _State(options, family)
     blocks = _blocks(model, family)
@@ -461,7 +449,7 @@ def apply_block_cache(target: Any, options: Any) -> dict[str, Any]:
         _detach(state)
         raise
     state.blocks = len(blocks)
-    object.__setattr__(model, _STATE_ATTR, state)  # plain attribute: not a submodule
+    _STATE.set(model, state)
     return block_cache_of(model)
 
 
@@ -480,22 +468,20 @@ def _detach(state: _State) -> None:
 def remove_block_cache(target: Any) -> bool:
     """Remove the block cache; returns whether there was one. The blocks run their class
     ``forward`` again and the cached tensors are freed."""
-    model = _model_of(target)
-    state = None if model is None else model.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return False
+    model = denoiser_of(target, ("transformer",), required=False)
+    return _STATE.remove(model, functools.partial(_undo, model))
+
+
+def _undo(model: torch.nn.Module, state: Any) -> None:
     if isinstance(state, _State):
         _detach(state)
     else:  # diffusers' FirstBlockCache, enabled by apply_block_cache
         model.disable_cache()
-    object.__delattr__(model, _STATE_ATTR)
-    return True
 
 
 def block_cache_of(target: Any) -> Optional[dict[str, Any]]:
     """The block cache settings of a pipeline's transformer or a model, or None when off."""
-    model = _model_of(target)
-    state = None if model is None else model.__dict__.get(_STATE_ATTR)
+    state = _STATE.get(denoiser_of(target, ("transformer",), required=False))
     if state is None:
         return None
     if isinstance(state, BlockCacheOptions):

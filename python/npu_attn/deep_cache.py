@@ -37,12 +37,14 @@ re-implement any of them. SD3 and HiDream have no ``CacheMixin``: see :mod:`.blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ._targets import StateAttribute, denoiser_of
 from .token_merging import ModelFamilyError, options_from
 
 __all__ = [
@@ -53,8 +55,9 @@ __all__ = [
     "remove_deep_cache",
 ]
 
-_STATE_ATTR = "_npu_attn_deep_cache"
-_LINK_ATTR = "_npu_attn_deep_cache_link"  # on the pipeline: re-attaches copies (pickling)
+_STATE = StateAttribute("_npu_attn_deep_cache")
+# On the pipeline: re-attaches copied state to the copied pipeline (pickling).
+_LINK = StateAttribute("_npu_attn_deep_cache_link")
 LAYERS_PER_BRANCH_BLOCK = 3  # DeepCacheSDHelper's cache_branch_id -> (block, layer) split
 
 
@@ -376,35 +379,29 @@ def apply_deep_cache(target: Any, options: Any) -> dict[str, Any]:
     except Exception:
         _unwrap(state)
         raise
-    object.__setattr__(unet, _STATE_ATTR, state)  # plain attribute: not a submodule
-    object.__setattr__(pipe, _LINK_ATTR, _PipelineLink(pipe, state))
+    _STATE.set(unet, state)
+    _LINK.set(pipe, _PipelineLink(pipe, state))
     return deep_cache_of(pipe)
 
 
 def remove_deep_cache(target: Any) -> bool:
     """Remove DeepCache (or the diffusers cache npu_attn enabled); returns whether there was
     one. The UNet's modules run their class ``forward`` again and the cache is freed."""
-    model = _denoiser(target)
-    if model is None:
-        return False
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return False
+    model = denoiser_of(target, required=False)
+    return _STATE.remove(model, functools.partial(_undo, model))
+
+
+def _undo(model: torch.nn.Module, state: Any) -> None:
     if isinstance(state, _State):
         _unwrap(state)
-        pipe = state._pipe() if state._pipe is not None else None
-        if pipe is not None and getattr(pipe, _LINK_ATTR, None) is not None:
-            object.__delattr__(pipe, _LINK_ATTR)
+        _LINK.remove(state._pipe() if state._pipe is not None else None)
     else:  # a diffusers cache config npu_attn enabled
         model.disable_cache()
-    object.__delattr__(model, _STATE_ATTR)
-    return True
 
 
 def deep_cache_of(target: Any) -> Optional[dict[str, Any]]:
     """The cache settings npu_attn applied to a pipeline's denoiser (or a model), or None."""
-    model = _denoiser(target)
-    state = None if model is None else model.__dict__.get(_STATE_ATTR)
+    state = _STATE.get(denoiser_of(target, required=False))
     if state is None:
         return None
     if isinstance(state, _State):
@@ -413,18 +410,8 @@ def deep_cache_of(target: Any) -> Optional[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- transformers
-def _denoiser(target: Any) -> Optional[torch.nn.Module]:
-    if isinstance(target, torch.nn.Module):
-        return target
-    for name in ("unet", "transformer"):
-        model = getattr(target, name, None)
-        if isinstance(model, torch.nn.Module):
-            return model
-    return None
-
-
 def _cache_capable_model(target: Any, config: Any) -> torch.nn.Module:
-    model = _denoiser(target)
+    model = denoiser_of(target, required=False)
     name = type(model if model is not None else target).__name__
     if model is None or not hasattr(model, "enable_cache"):
         raise ModelFamilyError(
@@ -432,14 +419,20 @@ def _cache_capable_model(target: Any, config: Any) -> torch.nn.Module:
             "for UNet pipelines pass a cache interval (DeepCache), for SD3 and HiDream use "
             "block_cache=<threshold> (npu_attn's First Block Cache)"
         )
+    refuse_other_diffusers_cache(model, _STATE, "block_cache")
+    return model
+
+
+def refuse_other_diffusers_cache(model: torch.nn.Module, ours: StateAttribute, other: str) -> None:
+    """Raise when diffusers' cache hooks are on ``model`` but not through ``ours`` (``other``
+    or ``model.enable_cache`` enabled them): diffusers keeps one cache per model."""
     enabled = getattr(model, "_cache_config", None)
-    if enabled is not None and model.__dict__.get(_STATE_ATTR) is None:
+    if enabled is not None and ours.get(model) is None:
         raise ValueError(
-            f"{name} already has diffusers' {type(enabled).__name__} enabled (by block_cache or "
-            "model.enable_cache); remove it first (npu_attn.reset_acceleration or "
+            f"{type(model).__name__} already has diffusers' {type(enabled).__name__} enabled (by "
+            f"{other} or model.enable_cache); remove it first (npu_attn.reset_acceleration or "
             "model.disable_cache())"
         )
-    return model
 
 
 def _is_diffusers_cache_config(value: Any) -> bool:
@@ -451,5 +444,5 @@ def _apply_diffusers_cache(target: Any, config: Any) -> dict[str, Any]:
     model = _cache_capable_model(target, config)
     remove_deep_cache(model)
     model.enable_cache(config)
-    object.__setattr__(model, _STATE_ATTR, config)
+    _STATE.set(model, config)
     return deep_cache_of(model)

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._targets import StateAttribute, denoiser_of
+
 __all__ = [
     "ModelFamilyError",
     "TokenMergingOptions",
@@ -44,7 +46,7 @@ __all__ = [
     "token_merging_of",
 ]
 
-_STATE_ATTR = "_npu_attn_token_merging"
+_STATE = StateAttribute("_npu_attn_token_merging")
 
 
 class ModelFamilyError(ValueError):
@@ -375,7 +377,7 @@ def _hook_block(block: torch.nn.Module, state: _State) -> None:
 def _unet_of(target: Any) -> torch.nn.Module:
     from diffusers import UNet2DConditionModel
 
-    unet = target if isinstance(target, torch.nn.Module) else getattr(target, "unet", None)
+    unet = denoiser_of(target, ("unet",), required=False)
     if not isinstance(unet, UNet2DConditionModel):
         raise ModelFamilyError(
             "token_merging applies to UNet models (SD-1.5/2.1, SDXL: UNet2DConditionModel), "
@@ -438,7 +440,7 @@ def apply_token_merging(target: Any, options: Any) -> dict[str, Any]:
         _remove_handles(state)
         raise
     state.blocks = len(blocks)
-    object.__setattr__(unet, _STATE_ATTR, state)  # plain attribute: not a submodule
+    _STATE.set(unet, state)
     return token_merging_of(unet)
 
 
@@ -450,19 +452,12 @@ def _remove_handles(state: _State) -> None:
 
 def remove_token_merging(target: Any) -> bool:
     """Remove Token Merging's hooks; returns whether there were any."""
-    unet = _unet_of(target)
-    state = unet.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return False
-    _remove_handles(state)
-    object.__delattr__(unet, _STATE_ATTR)
-    return True
+    return _STATE.remove(_unet_of(target), _remove_handles)
 
 
 def token_merging_of(target: Any) -> Optional[dict[str, Any]]:
     """The Token Merging settings of a pipeline's UNet or a UNet, or None when off."""
-    unet = target if isinstance(target, torch.nn.Module) else getattr(target, "unet", None)
-    state = getattr(unet, "__dict__", {}).get(_STATE_ATTR)
+    state = _STATE.get(denoiser_of(target, ("unet",), required=False))
     if state is None:
         return None
     applied = dataclasses.asdict(state.options)

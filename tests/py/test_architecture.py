@@ -36,6 +36,7 @@ LAYERS = [
     {"functional"},
     {"_auto", "strategies"},
     {
+        "_targets",
         "_redirect",
         "diffusers_integration",
         "graph_mode",
@@ -136,6 +137,12 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if state.get(module) is None:
             visit(module, [module])
+
+
+def test_the_shared_target_helpers_import_nothing_from_the_package():
+    """_targets serves every module of its layer (the accelerations and parallel/), which
+    may import it only as long as it imports none of them."""
+    assert import_graph()["_targets"] == set()
 
 
 def test_the_cycle_check_can_fail(monkeypatch):

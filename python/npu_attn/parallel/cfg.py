@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._targets import StateAttribute, denoiser_of
 from ._group import count_bytes, group_rank, group_size, require_distributed
 from ._inputs import agree_inputs, map_tensors
 
@@ -64,7 +65,7 @@ NOT_BATCHED = frozenset({"img_ids", "txt_ids"})
 # Where the batch size is read: the first positional argument, or one of these keywords.
 SAMPLE_NAMES = ("sample", "hidden_states", "x")
 
-_STATE_ATTR = "_npu_attn_cfg_parallel"
+_STATE = StateAttribute("_npu_attn_cfg_parallel")
 ON_INDIVISIBLE = ("raise", "replicate")
 _SEED_ADVICE = (
     "Every rank must run the same generation: pass the same prompts and a seeded generator, "
@@ -180,20 +181,6 @@ def _gather_outputs(state: _State, module: torch.nn.Module, args, kwargs, output
 
 
 # --------------------------------------------------------------------------- public
-def _denoiser(target: Any) -> torch.nn.Module:
-    """A pipeline's UNet or transformer, or the model itself."""
-    if isinstance(target, torch.nn.Module):
-        return target
-    for name in ("unet", "transformer"):
-        model = getattr(target, name, None)
-        if isinstance(model, torch.nn.Module):
-            return model
-    raise TypeError(
-        "target must be a diffusers pipeline with a `unet` or `transformer`, or the denoiser "
-        f"model itself, got {type(target).__name__}"
-    )
-
-
 def enable_cfg_parallel(
     target: Any,
     *,
@@ -221,33 +208,31 @@ def enable_cfg_parallel(
     require_distributed("enable_cfg_parallel")
     if on_indivisible not in ON_INDIVISIBLE:
         raise ValueError(f"on_indivisible must be one of {ON_INDIVISIBLE}, got {on_indivisible!r}")
-    model = _denoiser(target)
+    model = denoiser_of(target)
     disable_cfg_parallel(model)
     state = _State(group, group_rank(group), group_size(group), on_indivisible, [])
     state.handles = [
         model.register_forward_pre_hook(functools.partial(_split_inputs, state), with_kwargs=True),
         model.register_forward_hook(functools.partial(_gather_outputs, state), with_kwargs=True),
     ]
-    object.__setattr__(model, _STATE_ATTR, state)  # not a submodule, not in state_dict
+    _STATE.set(model, state)
     return cfg_parallel_of(model)
 
 
 def disable_cfg_parallel(target: Any) -> bool:
     """Remove CFG-parallel's hooks (the model is exactly as before); whether it was on."""
-    model = _denoiser(target)
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return False
+    return _STATE.remove(denoiser_of(target), _remove_hooks)
+
+
+def _remove_hooks(state: _State) -> None:
     for handle in state.handles:
         handle.remove()
-    object.__delattr__(model, _STATE_ATTR)
-    return True
 
 
 def cfg_parallel_of(target: Any) -> Optional[dict[str, Any]]:
     """CFG-parallel's settings and counters on a pipeline's denoiser, or None when off."""
-    model = _denoiser(target)
-    state = model.__dict__.get(_STATE_ATTR)
+    model = denoiser_of(target)
+    state = _STATE.get(model)
     if state is None:
         return None
     return {

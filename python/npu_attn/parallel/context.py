@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _redirect
+from .._targets import StateAttribute, denoiser_of
 from ..diffusers_integration import _RoutesSdpa
 from ._group import group_rank, group_size, require_distributed
 from ._inputs import agree_inputs
@@ -70,7 +71,7 @@ FAMILIES = {
     "SD3Transformer2DModel": "sd3",
     "HiDreamImageTransformer2DModel": "hidream",
 }
-_STATE_ATTR = "_npu_attn_context_parallel"
+_STATE = StateAttribute("_npu_attn_context_parallel")
 
 
 def _plans() -> dict[str, dict]:
@@ -346,16 +347,8 @@ def _wrap_patchify(model: torch.nn.Module, state: _State) -> None:
 
 
 # --------------------------------------------------------------------------- public
-def _denoiser(target: Any) -> torch.nn.Module:
-    if isinstance(target, torch.nn.Module):
-        return target
-    model = getattr(target, "transformer", None)
-    if isinstance(model, torch.nn.Module):
-        return model
-    raise TypeError(
-        "target must be a diffusers pipeline with a `transformer` (SD3, Flux, HiDream) or the "
-        f"transformer model itself, got {type(target).__name__}"
-    )
+def _transformer(target: Any) -> torch.nn.Module:
+    return denoiser_of(target, ("transformer",), families="SD3, Flux, HiDream")
 
 
 def _degrees(
@@ -441,7 +434,7 @@ def enable_context_parallel(
             split, a processor on a non-native diffusers attention backend.
     """
     require_distributed("enable_context_parallel")
-    model = _denoiser(target)
+    model = _transformer(target)
     family = FAMILIES.get(type(model).__name__)
     if family is None:
         raise ValueError(
@@ -482,16 +475,18 @@ def _install(model: torch.nn.Module, state: _State) -> None:
     state.handles.append(model.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
     wrap = functools.partial(_wrap_output, state)
     state.handles.append(model.register_forward_hook(wrap, with_kwargs=True))
-    object.__setattr__(model, _STATE_ATTR, state)  # not a submodule, not in state_dict
+    _STATE.set(model, state)
 
 
 def disable_context_parallel(target: Any) -> bool:
     """Undo :func:`enable_context_parallel`: diffusers' sharding hooks removed, the original
     processors (the same objects) and methods back. Returns whether it was enabled."""
-    model = _denoiser(target)
-    state = model.__dict__.get(_STATE_ATTR)
-    if state is None:
-        return False
+    model = _transformer(target)
+    return _STATE.remove(model, functools.partial(_uninstall, model))
+
+
+def _uninstall(model: torch.nn.Module, state: _State) -> None:
+    """Undo :func:`_install`."""
     from diffusers.hooks.context_parallel import remove_context_parallel
 
     for handle in state.handles:
@@ -501,14 +496,12 @@ def disable_context_parallel(target: Any) -> bool:
     for name, processor in state.originals.items():
         modules[name].set_processor(processor)
     model.__dict__.pop("patchify", None)
-    object.__delattr__(model, _STATE_ATTR)
-    return True
 
 
 def context_parallel_of(target: Any) -> Optional[dict[str, Any]]:
     """The context-parallel settings and counters of a transformer, or None when off."""
-    model = _denoiser(target)
-    state = model.__dict__.get(_STATE_ATTR)
+    model = _transformer(target)
+    state = _STATE.get(model)
     if state is None:
         return None
     return {
