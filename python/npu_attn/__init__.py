@@ -45,6 +45,7 @@ _LAZY = {
     "compiled_components": "graph_mode",
     "reset_compile": "graph_mode",
     "reset_call_counts": "strategies",
+    "register_diffusers_backends": "diffusers_backend",
 }
 
 
@@ -79,6 +80,7 @@ __all__ = [
     "enable_context_parallel",
     "get_num_threads",
     "kernel_variants",
+    "register_diffusers_backends",
     "reset_acceleration",
     "reset_attention_strategy",
     "reset_call_counts",

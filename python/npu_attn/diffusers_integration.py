@@ -28,6 +28,7 @@ import torch
 from . import _config, _redirect, strategies
 from ._config import default_strategy
 from .acceleration import accelerate_from_environment
+from .diffusers_backend import DiffusersBackendUnavailable, register_diffusers_backends
 
 logger = logging.getLogger("npu_attn")
 
@@ -197,6 +198,15 @@ def _apply_to_model(name: str, model: torch.nn.Module, strategy: str) -> int:
     return len(modules)
 
 
+def _register_dispatcher_backends() -> None:
+    """Offer npu_attn to ``model.set_attention_backend`` users as well (best effort: a
+    diffusers without the dispatcher internals it relies on only loses that way in)."""
+    try:
+        register_diffusers_backends()
+    except DiffusersBackendUnavailable as error:
+        logger.debug("npu_attn: not registered with diffusers' dispatcher: %s", error)
+
+
 def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, **options) -> str:
     """Switch attention for a pipeline, a model, or (``target=None``) the default.
 
@@ -231,6 +241,7 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
     for device in devices.values():  # validate everything before changing anything
         strategies.check_strategy(chosen, device)
     _redirect.install()
+    _register_dispatcher_backends()
     applied = []
     for name, model in models.items():
         count = _apply_to_model(name, model, chosen)

@@ -39,6 +39,7 @@ LAYERS = [
         "_targets",
         "_redirect",
         "diffusers_integration",
+        "diffusers_backend",
         "graph_mode",
         "token_merging",
         "deep_cache",
