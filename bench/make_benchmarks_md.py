@@ -59,7 +59,8 @@ def e2e_table(report: Path) -> list[str]:
 
 
 def images_table(report: Path) -> list[str]:
-    """Seconds per image with Token Merging / DeepCache (bench --e2e --images N --json ...)."""
+    """Seconds per image with Token Merging / DeepCache (bench --e2e --images N [--model sdxl]
+    --json ...)."""
     from npu_attn.bench_e2e import images_markdown
 
     return images_markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
@@ -92,6 +93,8 @@ def main() -> int:
     e2e = e2e_table(root / "e2e_bf16.json")
     e2e_fp32 = e2e_table(root / "e2e_fp32.json")
     images = images_table(root / "images_bf16.json")
+    images_fp32 = images_table(root / "images_fp32.json")
+    images_sdxl = images_table(root / "images_sdxl_bf16.json")
     demo = demo_table(root / "demo_sd15_fp32" / "results.json")
     demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
     parallel_fp32 = parallel_table(root / "parallel_fp32.json")
@@ -108,6 +111,8 @@ def main() -> int:
         ("E2E_BF16", e2e),
         ("E2E_FP32", e2e_fp32),
         ("IMAGES_BF16", images),
+        ("IMAGES_FP32", images_fp32),
+        ("IMAGES_SDXL_BF16", images_sdxl),
         ("DEMO_BF16", demo_bf16),
         ("PARALLEL_FP32", parallel_fp32),
         ("PARALLEL_BF16", parallel_bf16),

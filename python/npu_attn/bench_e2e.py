@@ -16,6 +16,13 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 Every competitor runs in this process on the same inputs with the same thread count,
 interleaved (round-robin) after a warm-up; compile and conversion times are reported
 separately; the table gives medians and ratios to the baseline and names the machine.
+
+``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
+pipeline) under the diffusers default, ``tiled``, Token Merging, DeepCache and their
+combinations (IMAGE_CONFIGS), with each image's PSNR against the default's. ``--model sdxl``
+is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random weights, prompts
+as random embeddings with SDXL's pooled ones) at 1024x1024 by default; ``--size`` picks
+another size. ``--plot`` writes either report as a bar chart.
 """
 
 from __future__ import annotations
@@ -31,29 +38,45 @@ from typing import Callable, Optional
 BASELINE = "eager sdpa"
 
 
+class ConfigurationError(ValueError):
+    """An ``--images`` configuration that cannot run on the chosen model."""
+
+
 def build_unet(model: str = "sd15"):
-    """The full-size UNet of ``model`` (demo.MODELS) with random weights, in float32."""
+    """The full-size UNet of ``model`` (demo.ARCHITECTURES) with random weights, in float32."""
     import torch
     from diffusers import UNet2DConditionModel
 
-    from .demo import MODELS
+    from .demo import ARCHITECTURES
 
     torch.manual_seed(0)
-    return UNet2DConditionModel(**MODELS[model][0]).eval()
+    return UNet2DConditionModel(**ARCHITECTURES[model][0]).eval()
 
 
-def make_inputs(unet, size: int, dtype) -> dict:
+def make_inputs(unet, size: int, dtype, vae_scale: int = 8) -> dict:
+    """One CFG (batch 2) UNet call's inputs at ``size`` pixels; SDXL-style UNets also get their
+    added conditions (pooled text embeddings, and time ids for an uncropped ``size`` image)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    latent = size // 8
-    return {
+    latent = size // vae_scale
+    inputs = {
         "sample": torch.randn(2, unet.config.in_channels, latent, latent, generator=g).to(dtype),
         "timestep": torch.tensor(500),
         "encoder_hidden_states": torch.randn(
             2, 77, unet.config.cross_attention_dim, generator=g
         ).to(dtype),
     }
+    if unet.config.addition_embed_type == "text_time":
+        pooled = (
+            unet.config.projection_class_embeddings_input_dim
+            - 6 * unet.config.addition_time_embed_dim
+        )
+        inputs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(2, pooled, generator=g).to(dtype),
+            "time_ids": torch.tensor([[size, size, 0, 0, size, size]] * 2).to(dtype),
+        }
+    return inputs
 
 
 def openvino_runner(unet, inputs: dict, dtype, threads: int) -> tuple[Callable, float]:
@@ -62,19 +85,22 @@ def openvino_runner(unet, inputs: dict, dtype, threads: int) -> tuple[Callable, 
     import openvino as ov
     import torch
 
+    added = sorted(inputs.get("added_cond_kwargs", {}))  # SDXL's text_embeds, time_ids
+
     class Positional(torch.nn.Module):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
-        def forward(self, sample, timestep, encoder_hidden_states):
-            return self.inner(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+        def forward(self, sample, timestep, encoder_hidden_states, *conditions):
+            kwargs = {"added_cond_kwargs": dict(zip(added, conditions))} if added else {}
+            out = self.inner(sample, timestep, encoder_hidden_states, return_dict=False, **kwargs)
+            return out[0]
 
     start = time.perf_counter()
-    example = tuple(
-        v.float() if torch.is_floating_point(v) else v
-        for v in (inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"])
-    )
+    tensors = [inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"]]
+    tensors += [inputs["added_cond_kwargs"][name] for name in added]
+    example = tuple(v.float() if torch.is_floating_point(v) else v for v in tensors)
     with torch.no_grad():
         model = ov.convert_model(Positional(unet), example_input=example)
     hint = "bf16" if dtype == torch.bfloat16 else "f32"
@@ -112,13 +138,14 @@ def run(args) -> dict:
 
     from . import _runtime
     from .bench_report import machine_info
+    from .demo import vae_scale_factor
 
     dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     _runtime.set_num_threads(threads)
     unet = build_unet(args.model)
-    inputs = make_inputs(unet, args.size, dtype)
+    inputs = make_inputs(unet, args.size, dtype, vae_scale_factor(args.model))
     runners: dict[str, Callable] = {}
     setup_seconds: dict[str, float] = {}
     if not args.no_openvino:
@@ -175,17 +202,56 @@ IMAGE_CONFIGS = (
 )
 
 
+def prompt_kwargs(model: str, dtype) -> dict:
+    """Random prompt embeddings for the pipeline of ``model`` (no text encoders): SD-1.5/2.1's
+    pair, plus SDXL's pooled pair for SDXL_MODELS."""
+    import torch
+
+    from .demo import ARCHITECTURES, pooled_text_dim
+
+    g = torch.Generator().manual_seed(1234)
+    cross = ARCHITECTURES[model][2]
+    kwargs = {
+        "prompt_embeds": torch.randn(1, 77, cross, generator=g).to(dtype),
+        "negative_prompt_embeds": torch.randn(1, 77, cross, generator=g).to(dtype),
+    }
+    pooled = pooled_text_dim(model)
+    if pooled is not None:
+        kwargs["pooled_prompt_embeds"] = torch.randn(1, pooled, generator=g).to(dtype)
+        kwargs["negative_pooled_prompt_embeds"] = torch.randn(1, pooled, generator=g).to(dtype)
+    return kwargs
+
+
+def check_image_configs(pipe, model: str) -> None:
+    """Applies and removes every configuration's acceleration once, before anything is timed:
+    a method that does not apply to the model fails here, naming the configuration, instead of
+    after the configurations before it have run (ConfigurationError)."""
+    from .acceleration import accelerate, reset_acceleration
+
+    for label, _, tome, deep_cache in IMAGE_CONFIGS:
+        if tome is None and deep_cache is None:
+            continue
+        try:
+            accelerate(pipe, token_merging=tome, deep_cache=deep_cache)
+        except (TypeError, ValueError) as e:
+            raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {e}") from e
+        finally:
+            reset_acceleration(pipe)
+
+
 def run_images(args) -> dict:
-    """Seconds per image (``--images N`` denoising steps + VAE decode) of a full-size SD-1.5
-    pipeline under each configuration, interleaved, and each image's distance from the exact
-    baseline image (PSNR, pixels in [0, 1]; lossy methods deviate, exact ones do not)."""
+    """Seconds per image (``--images N`` denoising steps + VAE decode) of a full-size pipeline
+    (SD-1.5, 2.1 or SDXL) under each configuration, interleaved after a 1-step warm-up of each,
+    and each image's distance from the exact baseline image (PSNR, pixels in [0, 1]; lossy
+    methods deviate, exact ones do not). ConfigurationError when a configuration does not apply
+    to the model."""
     import torch
     from tqdm import tqdm
 
     from . import _runtime
     from .acceleration import accelerate, reset_acceleration
     from .bench_report import machine_info
-    from .demo import MODELS, build_pipeline, psnr_db
+    from .demo import build_pipeline, psnr_db
     from .diffusers_integration import reset_attention_strategy, set_attention_strategy
 
     dtype = getattr(torch, args.dtype)
@@ -194,11 +260,10 @@ def run_images(args) -> dict:
     _runtime.set_num_threads(threads)
     pipe = build_pipeline(args.model).to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    g = torch.Generator().manual_seed(1234)
-    cross = MODELS[args.model][2]
-    embeds = [torch.randn(1, 77, cross, generator=g).to(dtype) for _ in range(2)]
+    check_image_configs(pipe, args.model)
+    embeds = prompt_kwargs(args.model, dtype)
 
-    def image(config):
+    def image(config, steps: int):
         _, strategy, tome, deep_cache = config
         reset_acceleration(pipe)
         if strategy == "sdpa":
@@ -210,9 +275,8 @@ def run_images(args) -> dict:
         start = time.perf_counter()
         with torch.no_grad():
             out = pipe(
-                prompt_embeds=embeds[0],
-                negative_prompt_embeds=embeds[1],
-                num_inference_steps=args.images,
+                **embeds,
+                num_inference_steps=steps,
                 height=args.size,
                 width=args.size,
                 output_type="pt",
@@ -220,11 +284,15 @@ def run_images(args) -> dict:
             ).images
         return time.perf_counter() - start, out.float()
 
+    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
+    # the first round, the diffusers default's image first: a 1-step image per configuration.
+    for config in tqdm(IMAGE_CONFIGS, desc="warm-up (1 step each)", unit="configuration"):
+        image(config, 1)
     times = {c[0]: [] for c in IMAGE_CONFIGS}
     images = {}
     for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
         for config in IMAGE_CONFIGS:
-            seconds, out = image(config)
+            seconds, out = image(config, args.images)
             times[config[0]].append(seconds)
             images.setdefault(config[0], out)
     reset_acceleration(pipe)
@@ -237,7 +305,9 @@ def run_images(args) -> dict:
         "size": args.size,
         "dtype": args.dtype,
         "steps": args.images,
+        "scheduler": type(pipe.scheduler).__name__,
         "repeats": args.repeats,
+        "warm_up": "a 1-step image per configuration, untimed",
         "seconds_per_image": medians,
         "all_seconds": times,
         "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
@@ -252,8 +322,9 @@ def images_markdown(report: dict) -> str:
     lines = [
         f"Machine: {m['cpu']}, {m['threads']} threads; torch {m['torch']}; {m['date']}. "
         f"{report['model']} pipeline (random weights), {report['size']}x{report['size']}, "
-        f"{report['steps']} steps + VAE decode, CFG, {report['dtype']}; medians of "
-        f"{report['repeats']} interleaved rounds.",
+        f"{report['steps']} {report.get('scheduler', 'DDIMScheduler')} steps + VAE decode, "
+        f"CFG, {report['dtype']}; medians of {report['repeats']} interleaved rounds"
+        f"{' after a 1-step warm-up of each' if report.get('warm_up') else ''}.",
         "",
         "| configuration | s / image | vs diffusers default | image PSNR vs default |",
         "|---|---|---|---|",
@@ -290,36 +361,78 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> Path:
+def bar_chart(seconds: dict, speedups: dict, ylabel: str, title: str, path: Path) -> Path:
+    """One bar per competitor (seconds), labelled with its speed-up against the baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(report["seconds_per_step"])
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.bar(names, [report["seconds_per_step"][n] for n in names], color="#4477aa")
-    ax.set_ylabel("seconds per UNet step")
-    ax.set_title(
-        f"{report['model']} UNet {report['size']}px CFG, {report['dtype']}, "
-        f"{report['machine']['threads']} threads",
-        fontsize=9,
-    )
-    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    names = list(seconds)
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    wrapped = [n.replace(" + ", "\n+ ").replace(" (", "\n(") for n in names]
+    bars = ax.bar(wrapped, [seconds[n] for n in names], color="#4477aa")
+    ax.bar_label(bars, [f"{speedups[n]:.2f}x" for n in names], padding=2, fontsize=8)
+    ax.margins(y=0.15)  # room for the labels above the tallest bar
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    plt.setp(ax.get_xticklabels(), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _machine_line(report: dict) -> str:
+    m = report["machine"]
+    return f"{m['cpu']}, {m['threads']} threads"
+
+
+def plot(report: dict, path: Path) -> Path:
+    """The step report's chart: seconds per UNet step per competitor."""
+    return bar_chart(
+        report["seconds_per_step"],
+        report["speedup_vs_baseline"],
+        "seconds per UNet step",
+        f"{report['model']} UNet {report['size']}px CFG, {report['dtype']}; "
+        f"x = speed-up vs {BASELINE}\n{_machine_line(report)}",
+        path,
+    )
+
+
+def plot_images(report: dict, path: Path) -> Path:
+    """The ``--images`` report's chart: seconds per image per configuration."""
+    baseline = next(iter(report["seconds_per_image"]))
+    return bar_chart(
+        report["seconds_per_image"],
+        report["speedup_vs_baseline"],
+        "seconds per image",
+        f"{report['model']} pipeline {report['size']}px, {report['steps']} steps + VAE decode, "
+        f"CFG, {report['dtype']}; x = speed-up vs {baseline}\n{_machine_line(report)}",
+        path,
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    from .demo import ARCHITECTURES
+
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn bench --e2e",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="sd15", choices=("sd15", "sd21", "tiny"))
-    parser.add_argument("--size", type=int, default=512, help="image size in pixels")
+    parser.add_argument(
+        "--model",
+        default="sd15",
+        choices=tuple(ARCHITECTURES),
+        help="architecture built from config with random weights (default sd15; sdxl is SDXL "
+        "base 1.0's UNet and VAE; tiny and tiny-sdxl are for tests)",
+    )
+    parser.add_argument(
+        "--size",
+        type=int,
+        help="image size in pixels (default: the model's, 512 for sd15, 1024 for sdxl)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--threads", type=int, help="threads for every competitor")
@@ -335,11 +448,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
-    if args.images:
-        report = run_images(args)
+    if args.size is None:
+        args.size = ARCHITECTURES[args.model][1]
+    if args.size < 8 or args.size % 8:
+        parser.error(f"--size must be a positive multiple of 8 pixels, got {args.size}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.images is not None:
+        if args.images < 1:
+            parser.error(f"--images must be >= 1 denoising step, got {args.images}")
+        try:
+            report = run_images(args)
+        except ConfigurationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(images_markdown(report))
         if args.json:
             args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        if args.plot:
+            plot_images(report, args.plot)
         return 0
     report = run(args)
     print(markdown(report))

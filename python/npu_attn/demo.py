@@ -77,6 +77,74 @@ MODELS = {
     ),
 }
 
+# SDXL's architecture, for ``bench --e2e`` (the demo itself runs MODELS: its prompts are SD-1.5
+# style embeddings, without SDXL's pooled ones). Same fields as MODELS; the UNet takes SDXL's
+# added text/time conditions, whose pooled text width is
+# projection_class_embeddings_input_dim - 6 * addition_time_embed_dim (6 time ids).
+SDXL_MODELS = {
+    # stabilityai/stable-diffusion-xl-base-1.0's unet/config.json (2.6B parameters; its other
+    # fields are diffusers' defaults) and its VAE's channels
+    "sdxl": (
+        {
+            "block_out_channels": (320, 640, 1280),
+            "layers_per_block": 2,
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "transformer_layers_per_block": (1, 2, 10),
+            "attention_head_dim": (5, 10, 20),
+            "cross_attention_dim": 2048,
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 256,
+            "projection_class_embeddings_input_dim": 2816,
+            "sample_size": 128,
+        },
+        1024,
+        2048,
+        (128, 256, 512, 512),
+    ),
+    # the same structure (no attention at full resolution, transformer depth growing with
+    # depth, linear projections, added conditions) with tiny widths, for tests
+    "tiny-sdxl": (
+        {
+            "block_out_channels": (32, 64, 64),
+            "layers_per_block": 1,
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "transformer_layers_per_block": (1, 1, 2),
+            "attention_head_dim": (2, 4, 4),
+            "cross_attention_dim": 32,
+            "use_linear_projection": True,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 8,
+            "projection_class_embeddings_input_dim": 6 * 8 + 32,
+            "norm_num_groups": 8,
+            "sample_size": 32,
+        },
+        64,
+        32,
+        (32, 64),
+    ),
+}
+# Every architecture build_pipeline knows (each config lives in MODELS or SDXL_MODELS).
+ARCHITECTURES = {**MODELS, **SDXL_MODELS}
+
+
+def pooled_text_dim(model: str) -> Optional[int]:
+    """The width of the pooled text embedding an SDXL-style UNet takes; None for SD-1.5/2.1."""
+    overrides = ARCHITECTURES[model][0]
+    if overrides.get("addition_embed_type") != "text_time":
+        return None
+    return (
+        overrides["projection_class_embeddings_input_dim"]
+        - 6 * overrides["addition_time_embed_dim"]
+    )
+
+
+def vae_scale_factor(model: str) -> int:
+    """Image pixels per latent pixel of the architecture's VAE."""
+    return 2 ** (len(ARCHITECTURES[model][3]) - 1)
+
 
 # Libraries whose configuration chatter the demo silences (see quiet_third_party_warnings).
 THIRD_PARTY_LIBRARIES = ("diffusers", "transformers")
@@ -116,19 +184,24 @@ class AutoCost:
 
 
 def build_pipeline(model: str = "sd15"):
-    """A StableDiffusionPipeline with the named architecture and random weights (no download).
-    The text encoder is omitted: prompts are given as embeddings."""
+    """A pipeline with the named architecture (MODELS: StableDiffusionPipeline with DDIM;
+    SDXL_MODELS: StableDiffusionXLPipeline with SDXL's Euler scheduler) and random weights (no
+    download). The text encoders are omitted: prompts are given as embeddings."""
     import torch
     from diffusers import (
         AutoencoderKL,
         DDIMScheduler,
+        EulerDiscreteScheduler,
         StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
 
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
-    overrides, _, _, vae_channels = MODELS[model]
+    if model not in ARCHITECTURES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
+    overrides, _, _, vae_channels = ARCHITECTURES[model]
+    tiny = model.startswith("tiny")
+    sdxl = model in SDXL_MODELS
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**overrides)
     n = len(vae_channels)
@@ -137,9 +210,30 @@ def build_pipeline(model: str = "sd15"):
         down_block_types=("DownEncoderBlock2D",) * n,
         up_block_types=("UpDecoderBlock2D",) * n,
         latent_channels=4,
-        layers_per_block=2 if model != "tiny" else 1,
-        norm_num_groups=32 if model != "tiny" else 8,
+        layers_per_block=1 if tiny else 2,
+        norm_num_groups=8 if tiny else 32,
+        # SDXL's VAE config: its own latent scale, decoded in float32 when run in float16
+        **({"scaling_factor": 0.13025, "force_upcast": True} if sdxl else {}),
     )
+    if sdxl:
+        scheduler = EulerDiscreteScheduler(  # SDXL base 1.0's scheduler config
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            steps_offset=1,
+            timestep_spacing="leading",
+            prediction_type="epsilon",
+        )
+        return StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=None,
+            text_encoder_2=None,
+            tokenizer=None,
+            tokenizer_2=None,
+            unet=unet,
+            scheduler=scheduler,
+            add_watermarker=False,
+        )
     scheduler = DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,

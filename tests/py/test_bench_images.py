@@ -1,0 +1,140 @@
+"""``python -m npu_attn bench --e2e --images``: the whole-image benchmark on tiny models.
+
+The SDXL path (``--model tiny-sdxl``: SDXL's UNet structure with tiny widths, its Euler
+scheduler, pooled prompt embeddings) runs end to end with every configuration through the
+command line, in this process; the full-size configs are checked without running them.
+Correctness only: timings on a shared machine are not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from npu_attn.__main__ import main
+from npu_attn.bench_e2e import (
+    IMAGE_CONFIGS,
+    ConfigurationError,
+    build_unet,
+    check_image_configs,
+    images_markdown,
+    make_inputs,
+    prompt_kwargs,
+)
+from npu_attn.demo import ARCHITECTURES, MODELS, SDXL_MODELS, build_pipeline, vae_scale_factor
+from tiny_accel_models import sd3_pipeline
+
+LABELS = [config[0] for config in IMAGE_CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl_report(tmp_path_factory):
+    """bench --e2e --images 2 on tiny-sdxl at 32x32, every configuration, JSON and PNG."""
+    out = tmp_path_factory.mktemp("images")
+    argv = ["bench", "--e2e", "--images", "2", "--repeats", "1", "--model", "tiny-sdxl"]
+    argv += ["--size", "32", "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
+    assert main(argv) == 0
+    return out
+
+
+def test_tiny_sdxl_images_run_every_configuration(tiny_sdxl_report, capsys):
+    report = json.loads((tiny_sdxl_report / "r.json").read_text(encoding="utf-8"))
+    assert report["model"] == "tiny-sdxl"
+    assert report["size"] == 32
+    assert report["steps"] == 2 and report["repeats"] == 1
+    assert report["scheduler"] == "EulerDiscreteScheduler"  # SDXL's own
+    assert list(report["seconds_per_image"]) == LABELS
+    assert all(s > 0 for s in report["seconds_per_image"].values())
+    assert report["speedup_vs_baseline"][LABELS[0]] == 1.0
+    psnr = report["psnr_db_vs_baseline"]
+    assert psnr[LABELS[0]] is None  # the reference
+    # every other image was decoded and compared: finite or identical, never NaN
+    assert all(psnr[n] > 10 for n in LABELS[1:]), psnr
+    # the lossy configurations really changed something on the SDXL structure
+    assert all(math.isfinite(psnr[n]) for n in LABELS if "ToMe" in n), psnr
+    table = images_markdown(report)
+    assert "tiny-sdxl pipeline (random weights), 32x32, 2 EulerDiscreteScheduler steps" in table
+    assert "| ToMe 0.5 + DeepCache 3 + tiled |" in table
+
+
+def test_tiny_sdxl_images_write_a_png_chart(tiny_sdxl_report):
+    png = (tiny_sdxl_report / "r.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+@pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux"])
+def test_unknown_model_is_refused_with_the_choices(model, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--images", "2", "--model", model])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"invalid choice: '{model}'" in err
+    assert all(name in err for name in ARCHITECTURES), err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--images", "0"], "--images must be >= 1"),
+        (["--images", "2", "--size", "100"], "--size must be a positive multiple of 8"),
+        (["--images", "2", "--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
+def test_bad_numbers_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--model", "tiny-sdxl", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_configuration_that_does_not_apply_is_named_before_anything_runs():
+    with pytest.raises(ConfigurationError, match=r"configuration 'ToMe 0\.5' cannot run on sd3"):
+        check_image_configs(sd3_pipeline(), "sd3")
+
+
+def test_sdxl_configs_accept_every_image_configuration():
+    check_image_configs(build_pipeline("tiny-sdxl"), "tiny-sdxl")  # raises if one does not
+
+
+def test_sdxl_is_stable_diffusion_xl_base_architecture():
+    """The full-size config, built on the meta device (no memory, nothing run): SDXL base
+    1.0's UNet has 2,567,463,684 parameters, its pipeline needs pooled embeddings of 1280."""
+    overrides, size, cross, vae = SDXL_MODELS["sdxl"]
+    with torch.device("meta"):
+        from diffusers import UNet2DConditionModel
+
+        unet = UNet2DConditionModel(**overrides)
+    assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
+    assert (size, cross, vae) == (1024, 2048, (128, 256, 512, 512))
+    kwargs = prompt_kwargs("sdxl", torch.bfloat16)
+    assert kwargs["prompt_embeds"].shape == (1, 77, 2048)
+    assert kwargs["negative_pooled_prompt_embeds"].shape == (1, 1280)
+    assert set(prompt_kwargs("sd15", torch.float32)) == {"prompt_embeds", "negative_prompt_embeds"}
+
+
+def test_step_benchmark_inputs_carry_sdxl_added_conditions():
+    """``bench --e2e`` (per step) on an SDXL UNet: one eager call with its inputs."""
+    unet = build_unet("tiny-sdxl")
+    inputs = make_inputs(unet, 64, torch.float32, vae_scale_factor("tiny-sdxl"))
+    assert set(inputs["added_cond_kwargs"]) == {"text_embeds", "time_ids"}
+    with torch.no_grad():
+        out = unet(**inputs).sample
+    assert out.shape == (2, 4, 32, 32) and torch.isfinite(out).all()
+    assert "added_cond_kwargs" not in make_inputs(build_unet("tiny"), 64, torch.float32, 2)
+
+
+def test_the_demo_keeps_its_own_models():
+    """SDXL needs pooled embeddings the demo does not pass: it stays a bench-only model."""
+    assert not set(SDXL_MODELS) & set(MODELS)
+
+
+def test_sd_images_still_run(tmp_path):
+    """The SD-1.5-style pipeline (DDIM, no pooled embeddings) through the same path."""
+    argv = ["bench", "--e2e", "--images", "1", "--repeats", "1", "--model", "tiny"]
+    assert main([*argv, "--size", "32", "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert report["scheduler"] == "DDIMScheduler"
+    assert list(report["seconds_per_image"]) == LABELS
