@@ -1,13 +1,16 @@
-"""``accelerate``: Token Merging, DeepCache and block caching for a pipeline in one call, undone
-by one call.
+"""``accelerate``: Token Merging, DeepCache, block caching and the channels-last layout for a
+pipeline in one call, undone by one call.
 
-Every method trades quality for speed, so none is ever enabled by default: only an explicit
-option or environment variable turns one on. They compose with every attention strategy and
+The first three trade quality for speed, and channels-last changes the layout of the user's
+weights, so none is ever enabled by default: only an explicit option or environment variable
+turns one on. They compose with every attention strategy and
 with each other: Token Merging hooks the UNet's transformer blocks (:mod:`.token_merging`),
 DeepCache gives its blocks a caching ``forward`` (:mod:`.deep_cache`), block caching does the
-same for a transformer's blocks (:mod:`.block_cache`), attention strategies replace attention
-*processors*; each undo removes only its own changes. Accelerated models and pipelines pickle
-and deep-copy (except diffusers' own cache hooks, whose forwards are closures).
+same for a transformer's blocks (:mod:`.block_cache`), channels-last changes only the memory
+layout of convolutional models (:mod:`.channels_last`, exact), attention strategies replace
+attention *processors*; each undo removes only its own changes. Accelerated models and
+pipelines pickle and deep-copy (except diffusers' own cache hooks, whose forwards are
+closures).
 
 Environment (for scripts that should benefit unchanged; read by ``accelerate(pipe)`` without
 options):
@@ -15,6 +18,7 @@ options):
 - ``NPU_ATTN_TOME=0.5``: Token Merging with this ratio (tomesd's other defaults).
 - ``NPU_ATTN_DEEPCACHE=3``: DeepCache with this cache interval (branch 0).
 - ``NPU_ATTN_BLOCK_CACHE=0.1``: First Block Cache with this threshold (transformer models).
+- ``NPU_ATTN_CHANNELS_LAST=1``: the UNet and VAE in channels-last (``0``: leave them).
 
 Under ``torch.compile`` (``npu_attn.compile`` or ``torch.compile(pipe.unet)``) Token Merging and
 DeepCache run with the default ``fullgraph=False``: Token Merging's hooks trace into the graph
@@ -34,6 +38,7 @@ import os
 from typing import Any, Callable, Optional
 
 from . import block_cache as _block_cache
+from . import channels_last as _channels_last
 from . import deep_cache as _deep_cache
 from . import token_merging as _token_merging
 from .token_merging import ModelFamilyError
@@ -51,27 +56,32 @@ __all__ = [
     "reset_acceleration",
 ]
 
-METHODS = ("token_merging", "deep_cache", "block_cache")
+METHODS = ("token_merging", "deep_cache", "block_cache", "channels_last")
 ENVIRONMENT = {
     "token_merging": "NPU_ATTN_TOME",
     "deep_cache": "NPU_ATTN_DEEPCACHE",
     "block_cache": "NPU_ATTN_BLOCK_CACHE",
+    "channels_last": "NPU_ATTN_CHANNELS_LAST",
 }
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 _CHECK: dict[str, Callable[[Any, Any], Any]] = {
     "token_merging": _token_merging.check_token_merging,
     "deep_cache": _deep_cache.check_deep_cache,
     "block_cache": _block_cache.check_block_cache,
+    "channels_last": _channels_last.check_channels_last,
 }
 _APPLY: dict[str, Callable[[Any, Any], Any]] = {
     "token_merging": _token_merging.apply_token_merging,
     "deep_cache": _deep_cache.apply_deep_cache,
     "block_cache": _block_cache.apply_block_cache,
+    "channels_last": _channels_last.apply_channels_last,
 }
 _REMOVE: dict[str, Callable[[Any], bool]] = {
     "token_merging": _token_merging.remove_token_merging,
     "deep_cache": _deep_cache.remove_deep_cache,
     "block_cache": _block_cache.remove_block_cache,
+    "channels_last": _channels_last.remove_channels_last,
 }
 
 
@@ -109,6 +119,14 @@ def environment_options() -> dict[str, Any]:
                 f"{ENVIRONMENT['block_cache']} must be a block-cache threshold (a number >= 0), "
                 f"got {threshold!r}"
             ) from None
+    layout = os.environ.get(ENVIRONMENT["channels_last"], "").strip().lower()
+    if layout:
+        if layout not in _TRUE + _FALSE:
+            raise ValueError(
+                f"{ENVIRONMENT['channels_last']} must be 1 or 0 (true/false, yes/no, on/off), "
+                f"got {layout!r}"
+            )
+        options["channels_last"] = layout in _TRUE
     return options
 
 
@@ -135,10 +153,11 @@ def accelerate(
     token_merging: Any = None,
     deep_cache: Any = None,
     block_cache: Any = None,
+    channels_last: Optional[bool] = None,
     **unknown: Any,
 ) -> dict[str, dict[str, Any]]:
-    """Enable Token Merging, DeepCache and/or block caching on a pipeline (each replaces an
-    earlier setting).
+    """Enable Token Merging, DeepCache, block caching and/or the channels-last layout on a
+    pipeline (each replaces an earlier setting).
 
     Args:
         target: a diffusers pipeline (Token Merging also takes a ``UNet2DConditionModel``).
@@ -153,10 +172,14 @@ def accelerate(
             or a dict of :class:`~npu_attn.block_cache.BlockCacheOptions` fields
             (``threshold`` or ``interval``). SD3 and HiDream (npu_attn's), models with
             diffusers' cache hooks (Flux, ...: diffusers' ``FirstBlockCache``).
+        channels_last: ``True`` puts every model with 2-D convolutions (UNet, VAE) in the
+            channels-last memory format (exact; faster convolutions on CPU), ``False`` back in
+            the contiguous one.
         unknown: anything else raises ``TypeError``.
 
     With no option, the environment decides (``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``,
-    ``NPU_ATTN_BLOCK_CACHE``); unset, nothing changes. ``None`` leaves a method as it is.
+    ``NPU_ATTN_BLOCK_CACHE``, ``NPU_ATTN_CHANNELS_LAST``); unset, nothing changes. ``None``
+    leaves a method as it is.
 
     Returns:
         What was applied, per method, e.g. ``{"token_merging": {"ratio": 0.5, ...,
@@ -174,6 +197,7 @@ def accelerate(
         "token_merging": token_merging,
         "deep_cache": deep_cache,
         "block_cache": block_cache,
+        "channels_last": channels_last,
     }
     requested = {method: value for method, value in requested.items() if value is not None}
     if requested:
@@ -197,17 +221,16 @@ def accelerate(
 def accelerate_from_environment(target: Any) -> dict[str, dict[str, Any]]:
     """What ``set_attention_strategy`` (or any entry point) calls so that scripts benefit
     unchanged: :func:`accelerate` with the environment's options; returns at once, changing
-    nothing, when none of ``NPU_ATTN_TOME``, ``NPU_ATTN_DEEPCACHE``, ``NPU_ATTN_BLOCK_CACHE``
-    is set."""
+    nothing, when none of :data:`ENVIRONMENT`'s variables is set."""
     if not any(os.environ.get(variable, "").strip() for variable in ENVIRONMENT.values()):
         return {}
     return accelerate(target)
 
 
 def reset_acceleration(target: Any, method: Optional[str] = None) -> list[str]:
-    """Remove what :func:`accelerate` applied (``method``: only ``"token_merging"``,
-    ``"deep_cache"`` or ``"block_cache"``); the original modules and ``forward`` methods run
-    again, the attention strategy stays. Returns the methods that were removed."""
+    """Remove what :func:`accelerate` applied (``method``: only one of :data:`METHODS`); the
+    original modules, ``forward`` methods and memory layout return, the attention strategy
+    stays. Returns the methods that were removed."""
     if method is not None and method not in METHODS:
         raise ValueError(f"reset_acceleration method must be one of {METHODS}, got {method!r}")
     removed = []
@@ -226,5 +249,6 @@ def acceleration_of(target: Any) -> dict[str, dict[str, Any]]:
         "token_merging": _token_merging.token_merging_of(target),
         "deep_cache": _deep_cache.deep_cache_of(target),
         "block_cache": _block_cache.block_cache_of(target),
+        "channels_last": _channels_last.channels_last_of(target),
     }
     return {method: settings for method, settings in found.items() if settings is not None}

@@ -191,21 +191,20 @@ def run(args) -> dict:
 
 
 # --------------------------------------------------------------------------- whole images
-# (label, attention strategy, Token Merging ratio, DeepCache interval); the first is the baseline.
+TOME, DEEPCACHE, CHANNELS_LAST = {"token_merging": 0.5}, {"deep_cache": 3}, {"channels_last": True}
+# (label, attention strategy, accelerate() options); the first is the baseline.
 IMAGE_CONFIGS = (
-    ("sdpa (diffusers default)", "sdpa", None, None),
-    ("tiled", "tiled", None, None),
-    ("ToMe 0.5", "sdpa", 0.5, None),
-    ("DeepCache 3", "sdpa", None, 3),
-    ("ToMe 0.5 + DeepCache 3", "sdpa", 0.5, 3),
-    ("ToMe 0.5 + DeepCache 3 + tiled", "tiled", 0.5, 3),
-    # Token Merging one resolution level deeper than the conservative default (for SD-1.5 the
-    # 32x32 blocks too; on SDXL the default already starts there): more speed, more deviation.
+    ("sdpa (diffusers default)", "sdpa", {}),
+    ("tiled", "tiled", {}),
+    ("channels-last", "sdpa", CHANNELS_LAST),
+    ("ToMe 0.5", "sdpa", TOME),
+    ("DeepCache 3", "sdpa", DEEPCACHE),
+    ("ToMe 0.5 + DeepCache 3", "sdpa", {**TOME, **DEEPCACHE}),
+    ("ToMe 0.5 + DeepCache 3 + tiled", "tiled", {**TOME, **DEEPCACHE}),
     (
-        "ToMe 0.5 (max_downsample 2) + DeepCache 3 + tiled",
+        "ToMe 0.5 + DeepCache 3 + tiled + channels-last",
         "tiled",
-        {"ratio": 0.5, "max_downsample": 2},
-        3,
+        {**TOME, **DEEPCACHE, **CHANNELS_LAST},
     ),
 )
 
@@ -236,11 +235,11 @@ def check_image_configs(pipe, model: str) -> None:
     after the configurations before it have run (ConfigurationError)."""
     from .acceleration import accelerate, reset_acceleration
 
-    for label, _, tome, deep_cache in IMAGE_CONFIGS:
-        if tome is None and deep_cache is None:
+    for label, _, options in IMAGE_CONFIGS:
+        if not options:
             continue
         try:
-            accelerate(pipe, token_merging=tome, deep_cache=deep_cache)
+            accelerate(pipe, **options)
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {e}") from e
         finally:
@@ -272,14 +271,14 @@ def run_images(args) -> dict:
     embeds = prompt_kwargs(args.model, dtype)
 
     def image(config, steps: int):
-        _, strategy, tome, deep_cache = config
+        _, strategy, options = config
         reset_acceleration(pipe)
         if strategy == "sdpa":
             reset_attention_strategy(pipe)
         else:
             set_attention_strategy(pipe, strategy)
-        if tome is not None or deep_cache is not None:
-            accelerate(pipe, token_merging=tome, deep_cache=deep_cache)
+        if options:
+            accelerate(pipe, **options)
         start = time.perf_counter()
         with torch.no_grad():
             out = pipe(
@@ -451,7 +450,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=int,
         metavar="STEPS",
         help="instead: seconds per whole image (STEPS steps + decode) of the pipeline with "
-        "Token Merging and DeepCache (lossy) and tiled, against the diffusers default",
+        "Token Merging and DeepCache (lossy), tiled and channels-last, against the diffusers "
+        "default",
     )
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")

@@ -45,6 +45,7 @@ LAYERS = [
         "deep_cache",
         "acceleration",
         "block_cache",
+        "channels_last",
         "parallel",
         "parallel._group",
         "parallel._inputs",
