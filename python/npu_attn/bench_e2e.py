@@ -8,6 +8,9 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 - ``eager tiled``: npu_attn's kernel, eager;
 - ``compiled sdpa`` / ``compiled tiled``: ``torch.compile`` (inductor) of the same UNet with
   that strategy compiled in;
+- ``eager tiled + channels-last`` / ``compiled tiled + channels-last``: a copy of the UNet with
+  ``accelerate(unet, channels_last=True)`` (exact; no layout reorders around the
+  convolutions);
 - ``openvino``: the same UNet converted with ``openvino.convert_model`` and compiled for the
   CPU with the run's precision as its inference-precision hint (when ``openvino`` is installed:
   ``pip install "npu_attn[bench]"`` or ``pip install openvino==2026.4.1``), the runtime CPU
@@ -18,8 +21,8 @@ interleaved (round-robin) after a warm-up; compile and conversion times are repo
 separately; the table gives medians and ratios to the baseline and names the machine.
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
-pipeline) under the diffusers default, ``tiled``, Token Merging, DeepCache and their
-combinations (IMAGE_CONFIGS), with each image's PSNR against the default's. ``--model sdxl``
+pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
+their combinations (IMAGE_CONFIGS), with each image's PSNR against the default's. ``--model sdxl``
 is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random weights, prompts
 as random embeddings with SDXL's pooled ones) at 1024x1024 by default; ``--size`` picks
 another size. ``--plot`` writes either report as a bar chart.
@@ -28,6 +31,7 @@ another size. ``--plot`` writes either report as a bar chart.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 BASELINE = "eager sdpa"
+CL = " + channels-last"
 
 
 class ConfigurationError(ValueError):
@@ -137,6 +142,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from . import _runtime
+    from .acceleration import accelerate
     from .bench_report import machine_info
     from .demo import vae_scale_factor
 
@@ -163,7 +169,14 @@ def run(args) -> dict:
     for strategy in ("sdpa", "tiled"):
         runners[f"eager {strategy}"] = torch_runner(unet, inputs, strategy, False, None)
         runners[f"compiled {strategy}"] = torch_runner(unet, inputs, strategy, True, compiled_unet)
-    order = [BASELINE, "eager tiled", "compiled sdpa", "compiled tiled", "openvino"]
+    # The same weights in channels-last (a copy, so neither model recompiles for the other).
+    unet_cl = copy.deepcopy(unet)
+    accelerate(unet_cl, channels_last=True)
+    compiled_cl = torch.compile(unet_cl, mode=args.mode)
+    runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
+    runners[f"compiled tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", True, compiled_cl)
+    order = [BASELINE, "eager tiled", f"eager tiled{CL}", "compiled sdpa", "compiled tiled"]
+    order += [f"compiled tiled{CL}", "openvino"]
     names = [n for n in order if n in runners]
     for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
         start = time.perf_counter()
@@ -376,7 +389,7 @@ def bar_chart(seconds: dict, speedups: dict, ylabel: str, title: str, path: Path
     import matplotlib.pyplot as plt
 
     names = list(seconds)
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.15 * len(names)), 3.8))
     wrapped = [n.replace(" + ", "\n+ ").replace(" (", "\n(") for n in names]
     bars = ax.bar(wrapped, [seconds[n] for n in names], color="#4477aa")
     ax.bar_label(bars, [f"{speedups[n]:.2f}x" for n in names], padding=2, fontsize=8)

@@ -139,7 +139,8 @@ def compile(
     if fullgraph:
         from .acceleration import acceleration_of
 
-        applied_methods = acceleration_of(target)
+        # channels-last only changes the weights' layout, which traces like any other
+        applied_methods = set(acceleration_of(target)) - {"channels_last"}
         if applied_methods:
             raise ValueError(
                 f"fullgraph=True cannot trace {', '.join(sorted(applied_methods))} (Token "

@@ -124,3 +124,15 @@ def test_bad_values_and_models_without_convolutions(monkeypatch, caplog):
     assert "NPU_ATTN_CHANNELS_LAST=1 ignored for FluxTransformer2DModel" in caplog.text
     assert npu_attn.accelerate(pipe) == {"channels_last": {"components": ["unet", "vae"]}}
     npu_attn.reset_acceleration(pipe)
+
+
+def test_compiles_with_fullgraph():
+    """Only a layout: npu_attn.compile(..., fullgraph=True) accepts it (unlike the caches)."""
+    pipe = sd15_pipeline()
+    npu_attn.accelerate(pipe, channels_last=True)
+    plain = generate(pipe, steps=2)
+    npu_attn.compile(pipe, "tiled", backend="eager", fullgraph=True)
+    close(generate(pipe, steps=2), plain)
+    npu_attn.reset_compile(pipe)
+    npu_attn.reset_attention_strategy(pipe)
+    npu_attn.reset_acceleration(pipe)

@@ -16,7 +16,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, attention_
 import npu_attn
 from npu_attn import diffusers_backend, strategies
 from test_graph_mode import attention_nodes, captured_call
-from tiny_models import run_flux, tiny_flux
+from tiny_models import call_in_dtype, run_flux, tiny_flux
 
 
 @pytest.fixture(autouse=True)
@@ -56,11 +56,7 @@ def test_flux_through_the_dispatcher_equals_native_attention(backend, strategy, 
     model = tiny_flux()
     args, kwargs = captured_call(model, run_flux, True)  # float32 inputs, then all in dtype
     model = model.to(dtype)
-    args = tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args)
-    kwargs = {
-        k: v.to(dtype) if isinstance(v, torch.Tensor) and torch.is_floating_point(v) else v
-        for k, v in kwargs.items()
-    }
+    args, kwargs = call_in_dtype(args, kwargs, dtype)
     with torch.no_grad():
         reference = model(*args, **kwargs).sample
         model.set_attention_backend(backend)

@@ -14,7 +14,7 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 import npu_attn
 from npu_attn import ops, strategies
-from tiny_models import FAMILIES, run_unet, tiny_unet, tiny_vae, unet_inputs
+from tiny_models import FAMILIES, call_in_dtype, run_unet, tiny_unet, tiny_vae, unet_inputs
 
 STRATEGIES = ["tiled", "sdpa", "vanilla", "auto"]
 FULLGRAPH_FAMILIES = ["unet", "vae", "sd3", "flux"]
@@ -126,11 +126,7 @@ def test_compiled_output_equals_eager_with_masks(family, strategy, dtype):
     model = build()
     args, kwargs = captured_call(model, run, masks)  # float32 inputs, then everything in dtype
     model = model.to(dtype)
-    args = tuple(a.to(dtype) if torch.is_floating_point(a) else a for a in args)
-    kwargs = {
-        k: v.to(dtype) if isinstance(v, torch.Tensor) and torch.is_floating_point(v) else v
-        for k, v in kwargs.items()
-    }
+    args, kwargs = call_in_dtype(args, kwargs, dtype)
     npu_attn.set_attention_strategy(model, strategy)
     with torch.no_grad():
         eager = model(*args, **kwargs).sample

@@ -164,3 +164,12 @@ FAMILIES = {
     "flux": (tiny_flux, run_flux, True),
     "hidream": (tiny_hidream, run_hidream, False),
 }
+
+
+def call_in_dtype(args: tuple, kwargs: dict, dtype) -> tuple[tuple, dict]:
+    """A captured model call's floating-point tensors converted to ``dtype``."""
+
+    def cast(v):
+        return v.to(dtype) if isinstance(v, torch.Tensor) and torch.is_floating_point(v) else v
+
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
