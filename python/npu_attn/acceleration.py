@@ -85,48 +85,36 @@ _REMOVE: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def _switch(text: str) -> bool:
+    if text.lower() not in _TRUE + _FALSE:
+        raise ValueError(text)
+    return text.lower() in _TRUE
+
+
+# method -> (parse the variable's text, what it must be: named in the error)
+_PARSE: dict[str, tuple[Callable[[str], Any], str]] = {
+    "token_merging": (float, "a token-merging ratio in [0, 1)"),
+    "deep_cache": (int, "a DeepCache interval (an int >= 1)"),
+    "block_cache": (float, "a block-cache threshold (a number >= 0)"),
+    "channels_last": (_switch, "1 or 0 (true/false, yes/no, on/off)"),
+}
+
+
 def environment_options() -> dict[str, Any]:
     """The methods the environment asks for, e.g. ``{"token_merging": 0.5, "deep_cache": 3}``.
 
     Raises:
-        ValueError: a variable that is set but not a number of the right kind.
+        ValueError: a variable that is set but not a value of the right kind.
     """
     options: dict[str, Any] = {}
-    ratio = os.environ.get(ENVIRONMENT["token_merging"], "").strip()
-    if ratio:
+    for method, (parse, expected) in _PARSE.items():
+        text = os.environ.get(ENVIRONMENT[method], "").strip()
+        if not text:
+            continue
         try:
-            options["token_merging"] = float(ratio)
+            options[method] = parse(text)
         except ValueError:
-            raise ValueError(
-                f"{ENVIRONMENT['token_merging']} must be a token-merging ratio in [0, 1), "
-                f"got {ratio!r}"
-            ) from None
-    interval = os.environ.get(ENVIRONMENT["deep_cache"], "").strip()
-    if interval:
-        try:
-            options["deep_cache"] = int(interval)
-        except ValueError:
-            raise ValueError(
-                f"{ENVIRONMENT['deep_cache']} must be a DeepCache interval (an int >= 1), "
-                f"got {interval!r}"
-            ) from None
-    threshold = os.environ.get(ENVIRONMENT["block_cache"], "").strip()
-    if threshold:
-        try:
-            options["block_cache"] = float(threshold)
-        except ValueError:
-            raise ValueError(
-                f"{ENVIRONMENT['block_cache']} must be a block-cache threshold (a number >= 0), "
-                f"got {threshold!r}"
-            ) from None
-    layout = os.environ.get(ENVIRONMENT["channels_last"], "").strip().lower()
-    if layout:
-        if layout not in _TRUE + _FALSE:
-            raise ValueError(
-                f"{ENVIRONMENT['channels_last']} must be 1 or 0 (true/false, yes/no, on/off), "
-                f"got {layout!r}"
-            )
-        options["channels_last"] = layout in _TRUE
+            raise ValueError(f"{ENVIRONMENT[method]} must be {expected}, got {text!r}") from None
     return options
 
 
