@@ -43,6 +43,7 @@ _LAZY = {
     "call_counts": "strategies",
     "compile": "graph_mode",
     "compiled_components": "graph_mode",
+    "FrozenWeightsChanged": "graph_mode",
     "reset_compile": "graph_mode",
     "reset_call_counts": "strategies",
     "register_diffusers_backends": "diffusers_backend",
@@ -61,6 +62,7 @@ def __getattr__(name: str):
 __all__ = [
     "STRATEGIES",
     "DeviceManager",
+    "FrozenWeightsChanged",
     "__version__",
     "accelerate",
     "acceleration_of",

@@ -8,9 +8,11 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 - ``eager tiled``: npu_attn's kernel, eager;
 - ``compiled sdpa`` / ``compiled tiled``: ``torch.compile`` (inductor) of the same UNet with
   that strategy compiled in;
-- ``eager tiled + channels-last`` / ``compiled tiled + channels-last``: a copy of the UNet with
-  ``accelerate(unet, channels_last=True)`` (exact; no layout reorders around the
-  convolutions);
+- ``compiled sdpa (frozen)`` / ``compiled tiled (frozen)``: ``npu_attn.compile(unet,
+  freeze=True)``, inductor's freezing for inference (weights as constants, prepacked for
+  oneDNN), on a module copy sharing the same weight tensors;
+- ``eager tiled + channels-last``: a copy of the UNet with ``accelerate(unet,
+  channels_last=True)`` (exact; no layout reorders around the convolutions);
 - ``openvino``: the same UNet converted with ``openvino.convert_model`` and compiled for the
   CPU with the run's precision as its inference-precision hint (when ``openvino`` is installed:
   ``pip install "npu_attn[bench]"`` or ``pip install openvino==2026.4.1``), the runtime CPU
@@ -41,6 +43,7 @@ from typing import Callable, Optional
 
 BASELINE = "eager sdpa"
 CL = " + channels-last"
+FROZEN = " (frozen)"
 
 
 class ConfigurationError(ValueError):
@@ -120,6 +123,11 @@ def openvino_runner(unet, inputs: dict, dtype, threads: int) -> tuple[Callable, 
     return (lambda: request.infer(arrays)), seconds
 
 
+def shared_tensors(module) -> list:
+    """The module's parameters and buffers (for a deepcopy memo that shares them)."""
+    return list(module.parameters()) + list(module.buffers())
+
+
 def torch_runner(unet, inputs: dict, strategy: str, compiled: bool, compiled_unet):
     """One UNet call with ``strategy`` (``sdpa`` = diffusers' own processors)."""
     import torch
@@ -145,6 +153,7 @@ def run(args) -> dict:
     from .acceleration import accelerate
     from .bench_report import machine_info
     from .demo import vae_scale_factor
+    from .graph_mode import compile as compile_components
 
     dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()
@@ -169,14 +178,21 @@ def run(args) -> dict:
     for strategy in ("sdpa", "tiled"):
         runners[f"eager {strategy}"] = torch_runner(unet, inputs, strategy, False, None)
         runners[f"compiled {strategy}"] = torch_runner(unet, inputs, strategy, True, compiled_unet)
-    # The same weights in channels-last (a copy, so neither model recompiles for the other).
+    # Frozen graphs on a copy of the module tree that shares the weight tensors (so no second
+    # copy of the weights; only the frozen graphs' prepacked ones), compiled in place by
+    # npu_attn.compile so the unfrozen rows' module is left alone.
+    unet_frozen = copy.deepcopy(unet, memo={id(t): t for t in shared_tensors(unet)})
+    compile_components(unet_frozen, None, mode=args.mode, freeze=True, show_progress=False)
+    for strategy in ("sdpa", "tiled"):
+        runners[f"compiled {strategy}{FROZEN}"] = torch_runner(
+            unet_frozen, inputs, strategy, False, None
+        )
+    # The same weights in channels-last (a copy: the layout is the weights' own).
     unet_cl = copy.deepcopy(unet)
     accelerate(unet_cl, channels_last=True)
-    compiled_cl = torch.compile(unet_cl, mode=args.mode)
     runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
-    runners[f"compiled tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", True, compiled_cl)
     order = [BASELINE, "eager tiled", f"eager tiled{CL}", "compiled sdpa", "compiled tiled"]
-    order += [f"compiled tiled{CL}", "openvino"]
+    order += [f"compiled sdpa{FROZEN}", f"compiled tiled{FROZEN}", "openvino"]
     names = [n for n in order if n in runners]
     for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
         start = time.perf_counter()

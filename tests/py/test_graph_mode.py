@@ -262,3 +262,55 @@ def test_compile_rejects_what_it_cannot_compile():
         npu_attn.compile(object())
     with pytest.raises(ValueError, match="unknown attention strategy"):
         npu_attn.compile(tiny_unet(), "fastest")
+
+
+def test_frozen_compile_matches_eager_and_refuses_changed_weights():
+    """freeze=True: inductor's freezing makes the weights constants of the graph, prepacked
+    copies for convolutions and linears (proved by calling the compiled graph past the guard
+    after the weights changed: it does not compute what the eager model now computes), so the
+    guard refuses inference calls once the weights changed."""
+    model = tiny_unet()
+    inputs = unet_inputs(masks=True)
+    npu_attn.set_attention_strategy(model, "tiled")
+    with torch.no_grad():
+        eager = model(**inputs).sample
+        # An unfrozen graph of the same module compiled first must not be reused for the
+        # frozen compile (dynamo's cache would find its guards satisfied).
+        close(torch.compile(model, fullgraph=True)(**inputs).sample, eager)
+        npu_attn.compile(model, "tiled", freeze=True, fullgraph=True, show_progress=False)
+        strategies.reset_call_counts()
+        close(model(**inputs).sample, eager)
+        assert strategies.call_counts().get("tiled", 0) > 0
+        close(model(**inputs).sample, eager)  # unchanged weights: calls go on
+        for p in model.parameters():
+            p.mul_(1.5)
+        past_the_guard = model._compiled_call_impl.compiled(**inputs).sample
+        with pytest.raises(npu_attn.FrozenWeightsChanged, match="reset_compile"):
+            model(**inputs)
+    npu_attn.reset_compile(model)
+    with torch.no_grad():
+        changed = model(**inputs).sample
+    assert not torch.allclose(changed, eager, atol=1e-3)
+    err = float((past_the_guard - changed).abs().max())
+    assert err > 1e-3, "the frozen graph saw every new weight: freezing did not happen"
+
+
+def test_freeze_needs_inductor():
+    with pytest.raises(ValueError, match="freeze=True needs backend='inductor'"):
+        npu_attn.compile(tiny_unet(), "tiled", freeze=True, backend="aot_eager")
+
+
+def test_frozen_graphs_of_two_models_stay_apart():
+    """Two models of one architecture with different weights, both frozen: each call computes
+    with its own weights (a frozen graph's constants are not reused for another model)."""
+    first, second = tiny_unet(), tiny_unet()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(1.25)
+    inputs = unet_inputs(masks=False)
+    with torch.no_grad():
+        eager = [m(**inputs).sample for m in (first, second)]
+        for m in (first, second):
+            npu_attn.compile(m, "tiled", freeze=True, show_progress=False)
+        for m, want in zip((first, second), eager):
+            close(m(**inputs).sample, want)
