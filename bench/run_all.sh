@@ -3,7 +3,7 @@
 # Usage: bash bench/run_all.sh [python]   (default: .venv/bin/python)
 set -euo pipefail
 PY=${1:-.venv/bin/python}
-MODELS="SD,Flux,HiDream"
+MODELS="SD,Flux,HiDream,VAE"
 mkdir -p bench_out
 "$PY" -m npu_attn bench --repeats 5 --json bench_out/latest.json --plots bench_out > bench_out/full.log
 "$PY" -m npu_attn bench --filter target --repeats 5 > bench_out/target.log

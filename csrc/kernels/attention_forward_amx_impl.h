@@ -5,11 +5,13 @@
 // Same transposed layout as the float32 and vdpbf16ps kernels (one float32 lane per query), so
 // the softmax is vertical vector code with no horizontal reductions, shared with the vdpbf16ps
 // kernel (softmax_update_pairs writes P^T as bfloat16 pairs, exactly AMX's "VNNI" B layout):
-//   per task = (batch, q-head, 32 queries), for each key block of up to 128 keys:
+//   per sub-tile = (batch, q-head, 32 queries), for each key block of 128-512 keys:
 //     S^T (keys x 32)  = K Q^T        A: K rows (16 keys x 32 dims), B: Q^T pairs (16 x 16 q)
 //     * scale, mask, causal; online softmax -> P^T pairs, O^T *= alpha         (AVX-512)
 //     O^T (Dv x 32)   += V^T P^T      A: V^T rows (16 channels x 32 keys), B: P^T pairs
 //   out = O / l (bfloat16), lse = m + log(l)
+// A task is 1-4 such sub-tiles that take each key block in turn (query groups, see
+// kAmxMaxGroups): when K and V^T outgrow L2, a block is then fetched once for all of them.
 // Each product step is a 2x2 block of 16x16 accumulators (4 tiles) from 2 A and 2 B tiles, so
 // every tile load feeds two tdpbf16ps. Operands are padded with zeros to whole tiles (head dims
 // to 32, keys to 32), so padding contributes nothing; K is read in place when its rows already
@@ -36,16 +38,31 @@ namespace {
 // What one tile holds: 16 rows of 64 bytes, i.e. 32 bfloat16 along a reduced dimension.
 constexpr int64_t kAmxTileRows = 16;  // rows of a tile: O^T channels per row block
 constexpr int64_t kAmxTileK = 32;     // bfloat16 per tile row: head dims / keys per product step
-// Queries per task: two 16-column B tiles, so each A tile load feeds two tdpbf16ps.
+// Queries per sub-tile: two 16-column B tiles, so each A tile load feeds two tdpbf16ps.
 constexpr int64_t kAmxBlockQ = 32;
-// Keys per block of the key loop (a multiple of kAmxTileK): the block's S^T (128 x 32 floats,
-// 16 KiB) and P^T pairs (8 KiB) stay in L1 between the softmax and the two products.
-constexpr int64_t kAmxMaxBlockK = 128;
+// Keys per block of the key loop (a multiple of kAmxTileK): at least kAmxMinBlockK, so the
+// block's S^T (128 x 32 floats, 16 KiB) and P^T pairs (8 KiB) stay in L1 between the softmax and
+// the two products; and at least the (padded) head dim of V, up to kAmxMaxBlockK, because
+// amx_values loads and stores the O^T accumulators (dim_v_pad x 32 floats) once per block: with
+// 128-key blocks at head dim 512 (the VAE's attention) that traffic, 128 KiB per block, took
+// longer than the tile products it feeds.
+constexpr int64_t kAmxMinBlockK = 128;
+constexpr int64_t kAmxMaxBlockK = 512;
+// Query groups: a task runs up to kAmxMaxGroups sub-tiles of kAmxBlockQ queries over each key
+// block in turn, so the block's K and V^T (read from L2 by every sub-tile) come from L3 or
+// memory once per group instead of once per 32 queries. Used when one pair's K and V^T exceed
+// kAmxGroupAboveBytes (about half of a core's L2 on Sapphire Rapids): at the VAE's head dim
+// 512 and 4096 keys they are 8 MiB, streamed at more bytes per cycle than L3 delivers.
+constexpr int64_t kAmxMaxGroups = 4;
+constexpr int64_t kAmxGroupAboveBytes = int64_t{1} << 20;
+// Fewer groups when grouping would leave fewer than this many tasks per thread.
+constexpr int64_t kAmxTasksPerThread = 4;
 // Packed K/V of one chunk of (batch, kv-head) pairs: as many pairs as fit in 64 MiB (fewer
 // barriers for short sequences, bounded memory for long ones). Twice the vector kernels'
 // kPackBudgetBytes, as the kernel was written; not tuned separately.
 constexpr int64_t kAmxPackBudgetBytes = int64_t{64} << 20;
-static_assert(kAmxMaxBlockK % kAmxTileK == 0 && kAmxBlockQ == 2 * kAmxTileRows,
+static_assert(kAmxMinBlockK % kAmxTileK == 0 && kAmxMaxBlockK % kAmxTileK == 0 &&
+                  kAmxBlockQ == 2 * kAmxTileRows,
               "key blocks are whole tiles; a task is two B tiles of queries");
 
 struct alignas(64) TileConfig {
@@ -75,10 +92,24 @@ struct AmxPlan {
   int64_t len_k_pad;  // len_k rounded up to 32
   bool k_in_place;    // K rows already hold whole tiles (head_dim and len_k multiples of 32)
   int64_t k_row;      // elements between packed K rows (dim_pad) when packing
+  int64_t groups;     // sub-tiles of kAmxBlockQ queries per task (1..kAmxMaxGroups)
+  int64_t sub_scratch_floats;  // one sub-tile's PairScratch
 };
 
-// The plan of the AMX kernel (the thread count does not change it: tasks are always 32
-// queries).
+// Sub-tiles per task: 1 while a pair's K and V^T fit in L2 (each sub-tile rereads them from
+// there), else as many as keep kAmxTasksPerThread tasks per thread.
+int64_t amx_groups(const AttentionParams& p, const AmxPlan& a, int threads) {
+  const int64_t kv_bytes = 2 * a.len_k_pad * (a.dim_pad + a.dim_v_pad);
+  if (kv_bytes <= kAmxGroupAboveBytes) return 1;
+  const int64_t heads_rows = p.batch * p.heads_q;
+  int64_t groups = kAmxMaxGroups;
+  while (groups > 1 &&
+         heads_rows * ceil_div(p.len_q, groups * kAmxBlockQ) < kAmxTasksPerThread * threads)
+    groups /= 2;
+  return groups;
+}
+
+// The plan of the AMX kernel (the thread count only decides the query groups).
 AmxPlan plan_amx(const AttentionParams& p, int threads) {
   AmxPlan a{};
   ForwardSchedule& s = a.schedule;
@@ -86,7 +117,9 @@ AmxPlan plan_amx(const AttentionParams& p, int threads) {
   a.dim_v_pad = round_up(max_i64(p.head_dim_v, 1), kAmxTileRows);
   a.len_k_pad = round_up(max_i64(p.len_k, 1), kAmxTileK);
   a.pairs.block_q = kAmxBlockQ;
-  a.pairs.block_k = min_i64(kAmxMaxBlockK, a.len_k_pad);
+  const int64_t block_k =
+      min_i64(kAmxMaxBlockK, max_i64(kAmxMinBlockK, round_up(a.dim_v_pad, kAmxTileK)));
+  a.pairs.block_k = min_i64(block_k, a.len_k_pad);
   a.pairs.k_words = a.dim_pad / 2;
   // In place only when every tile load stays inside K: whole tiles of head dims and of keys.
   a.k_in_place = p.k_stride[3] == 1 && p.head_dim % kAmxTileK == 0 && p.len_k % kAmxTileK == 0;
@@ -95,12 +128,14 @@ AmxPlan plan_amx(const AttentionParams& p, int threads) {
   // multiples of kAmxTileK (even), so they are whole floats.
   const int64_t pair_elems =
       a.dim_v_pad * a.len_k_pad + (a.k_in_place ? 0 : a.len_k_pad * a.dim_pad);
-  s.block_q = kAmxBlockQ;
+  a.groups = amx_groups(p, a, threads);
+  s.block_q = kAmxBlockQ * a.groups;
   s.pack_tiles = a.len_k_pad / kAmxTileK;  // one item per 32 keys
   s.pair_floats = pair_elems / 2;
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kAmxPackBudgetBytes);
-  // PairScratch with block_q = 32 and O^T rows padded to dim_v_pad.
-  s.scratch_floats = pair_scratch_words(a.pairs, a.dim_v_pad);
+  // One PairScratch per sub-tile, with block_q = 32 and O^T rows padded to dim_v_pad.
+  a.sub_scratch_floats = round_up(pair_scratch_words(a.pairs, a.dim_v_pad), kScratchAlignFloats);
+  s.scratch_floats = a.sub_scratch_floats * a.groups;
   return a;
 }
 
@@ -202,12 +237,16 @@ void amx_values(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp, int64_
 }
 
 // ---------------------------------------------------------------- one task
-void run_amx_tile(const AttentionParams& p, const AmxPlan& a, const uint16_t* k, int64_t k_row,
-                  const uint16_t* vt, const QueryTile& tile, PairScratch& ws) {
+// One thread's scratch: a PairScratch per sub-tile of the task.
+struct AmxScratch {
+  PairScratch sub[kAmxMaxGroups];
+};
+
+// Q^T pairs of one sub-tile (zero rows up to dim_pad), and its running max, sum and O^T reset.
+void start_sub_tile(const AttentionParams& p, const AmxPlan& a, const QueryTile& tile,
+                    PairScratch& ws) {
   constexpr int64_t ld = kAmxBlockQ;
-  const PairLayout& l = a.pairs;
-  // Q^T pairs for the real head dims, zero rows up to dim_pad (load_query_pairs pads lanes).
-  PairLayout q_layout = l;
+  PairLayout q_layout = a.pairs;  // load_query_pairs pads lanes, not head dims
   q_layout.k_words = (p.head_dim + 1) / 2;
   load_query_pairs(p, q_layout, tile, ws.qp);
   for (int64_t w = q_layout.k_words; w < a.dim_pad / 2; ++w)
@@ -217,39 +256,71 @@ void run_amx_tile(const AttentionParams& p, const AmxPlan& a, const uint16_t* k,
     ws.f32.l[i] = 0.0f;
   }
   for (int64_t i = 0; i < a.dim_v_pad * ld; ++i) ws.f32.ot[i] = 0.0f;
+}
 
-  const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
-  for (int64_t k0 = 0; k0 < key_limit; k0 += l.block_k) {
-    const int64_t keys = min_i64(l.block_k, key_limit - k0);
-    const int64_t keys32 = round_up(keys, kAmxTileK);
-    amx_scores(a, k + k0 * k_row, k_row, keys32, ws.qp, ws.f32.st);
-    const float rest_scale = scale_scores_if_needed(p, keys, ld, ws.f32.st, ld);
-    if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
-    if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.f32.st, ld);
-    softmax_update_pairs<kAmxBlockQ / kLanes>(p, l, keys, rest_scale, ws);
-    // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
-    for (int64_t w = (keys + 1) / 2; w < keys32 / 2; ++w)
-      for (int64_t i = 0; i < ld; ++i) ws.pp[w * ld + i] = 0;
-    amx_values(a, vt + k0 / kAmxTileK * a.dim_v_pad * kAmxTileK, ws.pp, keys32, ws.f32.ot);
+// Keys [k0, k0 + keys) for one sub-tile: S^T, mask, online softmax, O^T += V^T P^T.
+NPU_ATTN_VEC_INLINE void key_block_of_sub_tile(const AttentionParams& p, const AmxPlan& a,
+                                               const uint16_t* k, int64_t k_row, const uint16_t* vt,
+                                               const QueryTile& tile, int64_t k0, int64_t keys,
+                                               PairScratch& ws) {
+  constexpr int64_t ld = kAmxBlockQ;
+  const int64_t keys32 = round_up(keys, kAmxTileK);
+  amx_scores(a, k + k0 * k_row, k_row, keys32, ws.qp, ws.f32.st);
+  const float rest_scale = scale_scores_if_needed(p, keys, ld, ws.f32.st, ld);
+  if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
+  if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.f32.st, ld);
+  softmax_update_pairs<kAmxBlockQ / kLanes>(p, a.pairs, keys, rest_scale, ws);
+  // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
+  for (int64_t w = (keys + 1) / 2; w < keys32 / 2; ++w)
+    for (int64_t i = 0; i < ld; ++i) ws.pp[w * ld + i] = 0;
+  amx_values(a, vt + k0 / kAmxTileK * a.dim_v_pad * kAmxTileK, ws.pp, keys32, ws.f32.ot);
+}
+
+// A task of up to `groups` sub-tiles of 32 queries: each key block is used by every sub-tile
+// in turn while it is in L2.
+void run_amx_task(const AttentionParams& p, const AmxPlan& a, const uint16_t* k, int64_t k_row,
+                  const uint16_t* vt, const QueryTile& task, AmxScratch& ws) {
+  QueryTile sub[kAmxMaxGroups];
+  int64_t limit[kAmxMaxGroups];
+  const int64_t subs = ceil_div(task.rows, kAmxBlockQ);
+  int64_t key_limit = 0;
+  for (int64_t g = 0; g < subs; ++g) {
+    sub[g] = task;
+    sub[g].q0 = task.q0 + g * kAmxBlockQ;
+    sub[g].rows = min_i64(kAmxBlockQ, task.q0 + task.rows - sub[g].q0);
+    sub[g].vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
+    limit[g] = p.is_causal ? min_i64(p.len_k, sub[g].q0 + sub[g].rows) : p.len_k;
+    key_limit = max_i64(key_limit, limit[g]);
+    start_sub_tile(p, a, sub[g], ws.sub[g]);
+  }
+  for (int64_t k0 = 0; k0 < key_limit; k0 += a.pairs.block_k) {
+    for (int64_t g = 0; g < subs; ++g) {
+      if (k0 >= limit[g]) continue;  // causal: this sub-tile's keys end earlier
+      const int64_t keys = min_i64(a.pairs.block_k, limit[g] - k0);
+      key_block_of_sub_tile(p, a, k, k_row, vt, sub[g], k0, keys, ws.sub[g]);
+    }
   }
   Tiling t{};  // write_output reads only schedule.block_q
-  t.schedule.block_q = ld;
-  write_output<BFloat16>(p, tile, t, ws.f32);
+  t.schedule.block_q = kAmxBlockQ;
+  for (int64_t g = 0; g < subs; ++g) write_output<BFloat16>(p, sub[g], t, ws.sub[g].f32);
 }
 
 // ---------------------------------------------------------------- family traits
 // The AMX family for run_forward (forward_driver_impl.h); bfloat16 tensors only.
 struct AmxFamily {
-  // The thread clamp counts the tasks that exist: every task is kAmxBlockQ queries.
+  // The thread clamp counts tasks at the finest split (one sub-tile of kAmxBlockQ queries).
   static constexpr int64_t kThreadClampQueries = kAmxBlockQ;
   typedef AmxPlan Plan;
-  typedef PairScratch Scratch;
+  typedef AmxScratch Scratch;
 
   static Plan make_plan(const AttentionParams& p, int threads) { return plan_amx(p, threads); }
-  // Loads this thread's tile configuration, and carves its scratch.
+  // Loads this thread's tile configuration, and carves its scratch (one part per sub-tile).
   static Scratch enter_thread(const AttentionParams& p, const Plan& a, float* scratch) {
     configure_tiles();
-    return carve_pair_scratch(a.pairs, a.dim_v_pad, scratch);
+    Scratch ws{};
+    for (int64_t g = 0; g < a.groups; ++g)
+      ws.sub[g] = carve_pair_scratch(a.pairs, a.dim_v_pad, scratch + g * a.sub_scratch_floats);
+    return ws;
   }
   static void leave_thread(Scratch&) { _tile_release(); }
   static void pack(const AttentionParams& p, const Plan& a, int64_t pair, int64_t key_tile,
@@ -258,8 +329,7 @@ struct AmxFamily {
   }
   static void run(const AttentionParams& p, const Plan& a, const QueryTask& task,
                   const float* pair_pack, Scratch& ws) {
-    QueryTile tile = task.tile;
-    tile.vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
+    const QueryTile& tile = task.tile;
     const uint16_t* vt = reinterpret_cast<const uint16_t*>(pair_pack);
     const uint16_t* k = vt + a.dim_v_pad * a.len_k_pad;
     int64_t k_row = a.k_row;
@@ -267,7 +337,7 @@ struct AmxFamily {
       k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] + task.hkv * p.k_stride[1];
       k_row = p.k_stride[2];
     }
-    run_amx_tile(p, a, k, k_row, vt, tile, ws);
+    run_amx_task(p, a, k, k_row, vt, tile, ws);
   }
 };
 

@@ -305,9 +305,16 @@ NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, i
     const Vec alpha = exp_nonpositive(m_old - shift[v]);
     store(ws.m + v * kLanes, m_new);
     store(ws.l + v * kLanes, load(ws.l + v * kLanes) * alpha);
-    for (int64_t c = 0; c < p.head_dim_v; ++c) {
-      float* o = ws.ot + c * ld + v * kLanes;
-      store(o, load(o) * alpha);
+    // Where no lane's maximum moved, alpha is exactly 1 in every lane (exp_nonpositive(0) ==
+    // 1.0f; a row still fully masked has O^T == 0, which alpha == 0 would leave unchanged),
+    // so rescaling O^T would change nothing: skipped, the results are bit-identical. Past the
+    // first key tiles the running maxima rarely move, and for large head dims this pass over
+    // O^T (head_dim_v x block_q floats per key tile) costs as much as the tile products.
+    if (any_lane_differs(m_new, m_old)) {
+      for (int64_t c = 0; c < p.head_dim_v; ++c) {
+        float* o = ws.ot + c * ld + v * kLanes;
+        store(o, load(o) * alpha);
+      }
     }
     sum[v] = splat(0.0f);
   }

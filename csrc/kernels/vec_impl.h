@@ -87,6 +87,15 @@ NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
   return x < lowest ? splat(0.0f) : y;
 }
 
+// Whether any lane of a differs from the same lane of b (NaN lanes count as different).
+NPU_ATTN_VEC_INLINE bool any_lane_differs(Vec a, Vec b) {
+  const IVec differs = a != b;
+  int32_t any = 0;
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) any |= differs[i];
+  return any != 0;
+}
+
 NPU_ATTN_VEC_INLINE int64_t min_i64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }

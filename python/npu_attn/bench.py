@@ -85,6 +85,9 @@ def model_cases() -> list[Case]:
         Case("SD3-medium joint", 2, 24, 4429, 4429, 64),
         Case("Flux joint", 1, 24, 4608, 4608, 128),
         Case("HiDream joint", 2, 20, 4352, 4352, 128),
+        # The VAE decoder's mid-block attention: one head over every latent pixel.
+        Case("VAE mid-block 512px", 1, 1, 4096, 4096, 512),
+        Case("VAE mid-block 1024px", 1, 1, 16384, 16384, 512),
     ]
 
 

@@ -159,6 +159,40 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   }
 }
 
+// Shapes whose K and V outgrow the AMX kernel's L2 budget (kAmxGroupAboveBytes, 1 MiB), so it
+// runs several 32-query sub-tiles per task over each key block (query groups); with the tests'
+// 2 threads both have enough tasks for groups of 4. Ragged last tasks (fewer sub-tiles), GQA,
+// a per-head additive mask, and causal sub-tiles whose key ranges end in different key blocks
+// (head dim 160: 160-key blocks, tasks of 128 queries). Forward only: the backward has no
+// query groups. Every variant runs them (they are ordinary shapes elsewhere).
+std::vector<Case> query_group_shapes() {
+  std::vector<Case> cases = {{1, 4, 4, 260, 520, 512, 512}, {1, 8, 2, 300, 1700, 160, 160}};
+  cases[0].mask = MaskCase::kAdditiveHeads;
+  cases[1].causal = true;
+  return cases;
+}
+
+TEST_P(LowPrecision, LargeKeyValueShapesMatchTheReferenceInBfloat16) {
+  constexpr DType dtype = DType::kBFloat16;
+  for (const Case& c : query_group_shapes()) {
+    SCOPED_TRACE(c.describe() + " isa=" + isa_name(GetParam()));
+    Problem pr;
+    build(c, pr, 11);
+    HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
+    HalfTensor out = narrow(pr.out, dtype), ref_out = narrow(pr.ref_out, dtype);
+    SdpaArguments args = pr.args;
+    args.query = q.view(dtype);
+    args.key = k.view(dtype);
+    args.value = v.view(dtype);
+    args.out = out.view(dtype);
+    run_attention_forward(make_attention_params(args), GetParam());
+    args.out = ref_out.view(dtype);
+    attention_reference(make_attention_params(args));
+    const FloatTensor got = widen(out, dtype), want = widen(ref_out, dtype);
+    EXPECT_LE(max_abs_diff(got, want), unit_roundoff(dtype) * std::max(1.0, max_abs(want)));
+  }
+}
+
 TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
   const DType dtype = DType::kBFloat16;
   Case c{1, 2, 2, 40, 70, 32, 32};
