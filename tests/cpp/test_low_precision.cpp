@@ -95,6 +95,35 @@ std::vector<Case> low_precision_shapes() {
   return cases;
 }
 
+// A problem's inputs rounded to a 16-bit type, the kernel's output and the reference's
+// (the arguments point into these tensors, so the struct is filled in place).
+struct HalfForward {
+  HalfTensor q, k, v, out, ref_out;
+  SdpaArguments args;  // the kernel's call: 16-bit inputs, `out`
+};
+
+// Runs the forward of `pr` in `dtype` on `isa` and on the double-precision reference, and
+// expects them to agree within one rounding of the 16-bit type.
+void expect_forward_matches_reference(Problem& pr, DType dtype, Isa isa, HalfForward& f) {
+  f.q = narrow(pr.q, dtype);
+  f.k = narrow(pr.k, dtype);
+  f.v = narrow(pr.v, dtype);
+  f.out = narrow(pr.out, dtype);
+  f.ref_out = narrow(pr.ref_out, dtype);
+  f.args = pr.args;
+  f.args.query = f.q.view(dtype);
+  f.args.key = f.k.view(dtype);
+  f.args.value = f.v.view(dtype);
+  f.args.out = f.out.view(dtype);
+  run_attention_forward(make_attention_params(f.args), isa);
+  SdpaArguments ref_args = f.args;
+  ref_args.out = f.ref_out.view(dtype);
+  ref_args.lse = pr.ref_lse.view(DType::kFloat32);
+  attention_reference(make_attention_params(ref_args));
+  const FloatTensor got = widen(f.out, dtype), want = widen(f.ref_out, dtype);
+  EXPECT_LE(max_abs_diff(got, want), unit_roundoff(dtype) * std::max(1.0, max_abs(want)));
+}
+
 TEST(BFloat16Rounding, RoundsToNearestEvenAndKeepsNaN) {
   auto bits_of = [](uint32_t bits) {
     float f;
@@ -117,20 +146,9 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
       SCOPED_TRACE(c.describe() + " " + dtype_name(dtype) + " isa=" + isa_name(GetParam()));
       Problem pr;
       build(c, pr, 7);
-      HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
-      HalfTensor out = narrow(pr.out, dtype), ref_out = narrow(pr.ref_out, dtype);
-      SdpaArguments args = pr.args;
-      args.query = q.view(dtype);
-      args.key = k.view(dtype);
-      args.value = v.view(dtype);
-      args.out = out.view(dtype);
-      run_attention_forward(make_attention_params(args), GetParam());
-      SdpaArguments ref_args = args;
-      ref_args.out = ref_out.view(dtype);
-      ref_args.lse = pr.ref_lse.view(DType::kFloat32);
-      attention_reference(make_attention_params(ref_args));
-      const FloatTensor got = widen(out, dtype), want = widen(ref_out, dtype);
-      EXPECT_LE(max_abs_diff(got, want), unit_roundoff(dtype) * std::max(1.0, max_abs(want)));
+      HalfForward f;
+      expect_forward_matches_reference(pr, dtype, GetParam(), f);
+      const SdpaArguments& args = f.args;
 
       // Backward from the kernel's own forward results.
       FloatTensor grad_out_f({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order_for(c.layout));
@@ -178,18 +196,8 @@ TEST_P(LowPrecision, LargeKeyValueShapesMatchTheReferenceInBfloat16) {
     SCOPED_TRACE(c.describe() + " isa=" + isa_name(GetParam()));
     Problem pr;
     build(c, pr, 11);
-    HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
-    HalfTensor out = narrow(pr.out, dtype), ref_out = narrow(pr.ref_out, dtype);
-    SdpaArguments args = pr.args;
-    args.query = q.view(dtype);
-    args.key = k.view(dtype);
-    args.value = v.view(dtype);
-    args.out = out.view(dtype);
-    run_attention_forward(make_attention_params(args), GetParam());
-    args.out = ref_out.view(dtype);
-    attention_reference(make_attention_params(args));
-    const FloatTensor got = widen(out, dtype), want = widen(ref_out, dtype);
-    EXPECT_LE(max_abs_diff(got, want), unit_roundoff(dtype) * std::max(1.0, max_abs(want)));
+    HalfForward f;
+    expect_forward_matches_reference(pr, dtype, GetParam(), f);
   }
 }
 
