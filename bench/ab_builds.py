@@ -89,11 +89,22 @@ def ab_case(
     return statistics.median(times[0]), statistics.median(times[1]), diff
 
 
+def selected_cases(filter_text: str) -> list:
+    """The named model shapes, or those whose name contains one of the comma-separated texts."""
+    wanted = [text.strip() for text in filter_text.split(",") if text.strip()]
+    return [case for case in model_cases() if not wanted or any(t in case.name for t in wanted)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", required=True, help="path of build A's _C*.so (the baseline)")
     parser.add_argument("--b", required=True, help="path of build B's _C*.so (the change)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--filter",
+        default="",
+        help="only model shapes whose name contains one of these comma-separated texts",
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument(
@@ -115,7 +126,7 @@ def main(argv=None) -> int:
     ratios: dict[str, list[float]] = {}
     for dtype_name in args.dtypes:
         isa = pinned.get(dtype_name) or builds[1].active_isa(dtype_name)
-        for case in model_cases():
+        for case in selected_cases(args.filter):
             a, b, diff = ab_case(case, DTYPES[dtype_name], builds, isa, args.threads, args.repeats)
             ratios.setdefault(dtype_name, []).append(b / a)
             print(

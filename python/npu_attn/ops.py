@@ -56,12 +56,23 @@ def _choose_variant(dtype: torch.dtype) -> None:
         _variant_choice.ensure(name)
 
 
+def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
+    """The (B, Hq, Lq, Dv) output, laid out like the query (as torch's CPU flash kernel does):
+    (B, L, H, D) storage when the query's heads are inside its sequence (diffusers' projections
+    viewed as heads, so ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is free), else contiguous
+    (what torch returns for such a call, so the caller needs no copy)."""
+    b, hq, lq, _ = query.shape
+    if query.stride(1) < query.stride(2):
+        return query.new_empty((b, lq, hq, head_dim_v)).transpose(1, 2)
+    return query.new_empty((b, hq, lq, head_dim_v))
+
+
 def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
     written in place by the kernel, which computes in float32 (lse is always float32)."""
     attn_mask = _kernel_mask(attn_mask)
     b, hq, lq, _ = query.shape
-    out = torch.empty((b, lq, hq, value.shape[-1]), dtype=query.dtype).transpose(1, 2)
+    out = _empty_output(query, value.shape[-1])
     lse = torch.empty((b, hq, lq), dtype=torch.float32)
     # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
     # Python per tensor). Inputs are detached: DLPack refuses tensors that require grad, and
@@ -100,8 +111,7 @@ def sdpa_forward(
 @sdpa_forward.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     b, hq, lq, _ = query.shape
-    out = query.new_empty((b, lq, hq, value.shape[-1])).transpose(1, 2)
-    return out, query.new_empty((b, hq, lq), dtype=torch.float32)
+    return _empty_output(query, value.shape[-1]), query.new_empty((b, hq, lq), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- backward
