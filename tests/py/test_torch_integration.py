@@ -267,16 +267,26 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.allclose(eager, compiled, atol=1e-6)
 
 
-def test_op_is_registered_with_a_fake_for_tracing():
+@pytest.mark.parametrize("heads_inside_sequence", [False, True], ids=["bhld", "blhd"])
+def test_op_is_registered_with_a_fake_for_tracing(heads_inside_sequence):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    def qkv():
+        shapes = ((2, 3, 7, 16), (2, 3, 9, 16), (2, 3, 9, 24))
+        if heads_inside_sequence:  # diffusers' projections viewed as heads
+            return [torch.randn(b, n, h, d).transpose(1, 2) for b, h, n, d in shapes]
+        return [torch.randn(*shape) for shape in shapes]
+
+    q, k, v = qkv()
+    real, _ = torch.ops.npu_attn.sdpa_forward(q, k, v, None, False, None, False)
     with FakeTensorMode() as mode:
-        fq = mode.from_tensor(torch.empty(2, 3, 7, 16))
-        fv = mode.from_tensor(torch.empty(2, 3, 9, 24))
-        fk = mode.from_tensor(torch.empty(2, 3, 9, 16))
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         out, lse = torch.ops.npu_attn.sdpa_forward(fq, fk, fv, None, False, None, False)
     assert out.shape == (2, 3, 7, 24) and lse.shape == (2, 3, 7)
-    assert out.transpose(1, 2).is_contiguous()  # same layout as the real kernel's output
+    assert out.stride() == real.stride()  # the fake promises the real kernel's layout
+    # Laid out like the query: free to view as (B, L, H * Dv) when the query came that way.
+    assert out.transpose(1, 2).is_contiguous() == heads_inside_sequence
+    assert out.is_contiguous() != heads_inside_sequence
 
 
 @pytest.fixture(params=npu_attn.available_isas())
