@@ -238,26 +238,6 @@ IMAGE_CONFIGS = (
 )
 
 
-def prompt_kwargs(model: str, dtype) -> dict:
-    """Random prompt embeddings for the pipeline of ``model`` (no text encoders): SD-1.5/2.1's
-    pair, plus SDXL's pooled pair for SDXL_MODELS."""
-    import torch
-
-    from .demo import ARCHITECTURES, pooled_text_dim
-
-    g = torch.Generator().manual_seed(1234)
-    cross = ARCHITECTURES[model][2]
-    kwargs = {
-        "prompt_embeds": torch.randn(1, 77, cross, generator=g).to(dtype),
-        "negative_prompt_embeds": torch.randn(1, 77, cross, generator=g).to(dtype),
-    }
-    pooled = pooled_text_dim(model)
-    if pooled is not None:
-        kwargs["pooled_prompt_embeds"] = torch.randn(1, pooled, generator=g).to(dtype)
-        kwargs["negative_pooled_prompt_embeds"] = torch.randn(1, pooled, generator=g).to(dtype)
-    return kwargs
-
-
 def check_image_configs(pipe, model: str) -> None:
     """Applies and removes every configuration's acceleration once, before anything is timed:
     a method that does not apply to the model fails here, naming the configuration, instead of
@@ -287,7 +267,7 @@ def run_images(args) -> dict:
     from . import _runtime
     from .acceleration import accelerate, reset_acceleration
     from .bench_report import machine_info
-    from .demo import build_pipeline, psnr_db
+    from .demo import build_pipeline, prompt_embeddings, psnr_db
     from .diffusers_integration import reset_attention_strategy, set_attention_strategy
 
     dtype = getattr(torch, args.dtype)
@@ -297,7 +277,7 @@ def run_images(args) -> dict:
     pipe = build_pipeline(args.model).to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     check_image_configs(pipe, args.model)
-    embeds = prompt_kwargs(args.model, dtype)
+    embeds = prompt_embeddings(pipe, dtype, "cpu")
 
     def image(config, steps: int):
         _, strategy, options = config

@@ -44,22 +44,20 @@ def _pipeline(args: argparse.Namespace, rank: int):
     runs a generation of n steps (latents only, no decode)."""
     import torch
 
-    from .demo import MODELS, build_pipeline, prompt_embeddings
+    from .demo import ARCHITECTURES, build_pipeline, prompt_embeddings
     from .diffusers_integration import set_attention_strategy
 
     dtype = getattr(torch, args.dtype)
     pipe = build_pipeline(args.model).to("cpu", dtype)
-    _, default_size, cross_dim, _ = MODELS[args.model]
-    size = args.size or default_size
+    size = args.size or ARCHITECTURES[args.model][1]
     set_attention_strategy(pipe, "tiled")
     pipe.set_progress_bar_config(disable=rank != 0, leave=False)
-    embeds = prompt_embeddings(pipe, cross_dim, dtype, "cpu", None)
+    embeds = prompt_embeddings(pipe, dtype, "cpu")
 
     def generate(steps: int) -> None:
         with torch.no_grad():
             pipe(
-                prompt_embeds=embeds[0],
-                negative_prompt_embeds=embeds[1],
+                **embeds,
                 num_inference_steps=steps,
                 guidance_scale=7.5,
                 height=size,

@@ -130,14 +130,16 @@ SDXL_MODELS = {
 ARCHITECTURES = {**MODELS, **SDXL_MODELS}
 
 
-def pooled_text_dim(model: str) -> Optional[int]:
-    """The width of the pooled text embedding an SDXL-style UNet takes; None for SD-1.5/2.1."""
-    overrides = ARCHITECTURES[model][0]
-    if overrides.get("addition_embed_type") != "text_time":
+def pooled_text_dim(unet_config) -> Optional[int]:
+    """The width of the pooled text embedding an SDXL-style UNet takes (a UNet config mapping,
+    or the overrides of an ARCHITECTURES name); None for SD-1.5/2.1."""
+    if isinstance(unet_config, str):
+        unet_config = ARCHITECTURES[unet_config][0]
+    if unet_config.get("addition_embed_type") != "text_time":
         return None
     return (
-        overrides["projection_class_embeddings_input_dim"]
-        - 6 * overrides["addition_time_embed_dim"]
+        unet_config["projection_class_embeddings_input_dim"]
+        - 6 * unet_config["addition_time_embed_dim"]
     )
 
 
@@ -279,16 +281,33 @@ def load_pipeline(directory: Path):
     return DiffusionPipeline.from_pretrained(str(directory), local_files_only=True, **absent)
 
 
-def prompt_embeddings(pipe, cross_dim: int, dtype, device, prompt: Optional[str]):
+def prompt_embeddings(pipe, dtype, device, prompt: Optional[str] = None) -> dict[str, Any]:
+    """The prompt as the pipeline's embedding keyword arguments: ``prompt_embeds`` and
+    ``negative_prompt_embeds``, plus SDXL's pooled pair when the UNet takes them. Encoded with
+    the pipeline's text encoders when it has them and a prompt is given, else random (seeded)
+    embeddings of the UNet's widths."""
     import torch
 
+    names = ["prompt_embeds", "negative_prompt_embeds"]
+    pooled = pooled_text_dim(pipe.unet.config)
+    if pooled is not None:
+        names += ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"]
     if prompt is not None and getattr(pipe, "text_encoder", None) is not None:
-        embeds, negative = pipe.encode_prompt(prompt, device, 1, True, "")
-        return embeds, negative
+        encoded = pipe.encode_prompt(
+            prompt=prompt,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=True,
+            negative_prompt="",
+        )
+        return dict(zip(names, encoded))
     g = torch.Generator().manual_seed(1234)
-    embeds = torch.randn(1, 77, cross_dim, generator=g).to(device, dtype)
-    negative = torch.randn(1, 77, cross_dim, generator=g).to(device, dtype)
-    return embeds, negative
+    cross_dim = pipe.unet.config.cross_attention_dim
+    shapes = [(1, 77, cross_dim)] * 2 + [(1, pooled)] * (len(names) - 2)
+    return {
+        name: torch.randn(*shape, generator=g).to(device, dtype)
+        for name, shape in zip(names, shapes)
+    }
 
 
 def _time_runner(strategy: str):
@@ -327,8 +346,7 @@ def denoise(pipe, strategy: str, args, embeds, dm, label: Optional[str] = None) 
         with measure_peak() as memory, torch.no_grad():
             start = time.perf_counter()
             latents = pipe(
-                prompt_embeds=embeds[0],
-                negative_prompt_embeds=embeds[1],
+                **embeds,
                 num_inference_steps=args.steps,
                 guidance_scale=7.5,
                 height=args.size,
@@ -409,7 +427,7 @@ def float32_reference(pipe, args, embeds, dm) -> RunResult:
     import torch
 
     pipe = pipe.to(dtype=torch.float32)  # the last run: the pipeline is not cast back
-    embeds32 = tuple(e.float() for e in embeds)
+    embeds32 = {name: e.float() for name, e in embeds.items()}
     return run_strategy(pipe, "sdpa", args, embeds32, dm, label=FLOAT32_REFERENCE_LABEL)
 
 
@@ -642,8 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default="sd15",
-        choices=sorted(MODELS),
-        help="architecture built from config with random weights (default sd15)",
+        choices=sorted(ARCHITECTURES),
+        help="architecture built from config with random weights (default sd15; sdxl is SDXL "
+        "base 1.0's UNet, VAE and scheduler, 1024px by default; tiny and tiny-sdxl are for tests)",
     )
     parser.add_argument("--weights", type=Path, help="a local diffusers model folder instead")
     parser.add_argument("--prompt", help="prompt (with --weights; random embeddings otherwise)")
@@ -685,17 +704,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare_pipeline(args):
-    """(pipeline, cross-attention dim, source description); sets args.size. ValueError or
-    OSError for a --weights folder that cannot be loaded."""
+    """(pipeline, source description); sets args.size. ValueError or OSError for a --weights
+    folder that cannot be loaded."""
     if args.weights is not None:
         pipe = load_pipeline(args.weights)
         latent_size = pipe.unet.config.sample_size or 64
         args.size = args.size or latent_size * pipe.vae_scale_factor
-        return pipe, pipe.unet.config.cross_attention_dim, f"weights from {args.weights}"
+        return pipe, f"weights from {args.weights}"
     pipe = build_pipeline(args.model)
-    _, default_size, cross_dim, _ = MODELS[args.model]
-    args.size = args.size or default_size
-    return pipe, cross_dim, f"{args.model} architecture, RANDOM weights (the image is noise)"
+    args.size = args.size or ARCHITECTURES[args.model][1]
+    return pipe, f"{args.model} architecture, RANDOM weights (the image is noise)"
 
 
 def run_parallel(args) -> int:
@@ -722,9 +740,9 @@ def run_parallel(args) -> int:
     say = print if rank == 0 else (lambda *_: None)
     try:
         dm = DeviceManager()
-        pipe, cross_dim, source = prepare_pipeline(args)
+        pipe, source = prepare_pipeline(args)
         pipe = pipe.to(dm.device, dm.dtype)
-        embeds = prompt_embeddings(pipe, cross_dim, dm.dtype, dm.device, args.prompt)
+        embeds = prompt_embeddings(pipe, dm.dtype, dm.device, args.prompt)
         strategy = "tiled" if dm.device.type == "cpu" else "auto"
         threads = _runtime.get_num_threads()
         say(
@@ -775,12 +793,12 @@ def run(args) -> int:
         return run_parallel(args)
     dm = DeviceManager()
     try:
-        pipe, cross_dim, source = prepare_pipeline(args)
+        pipe, source = prepare_pipeline(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pipe = pipe.to(dm.device, dm.dtype)
-    embeds = prompt_embeddings(pipe, cross_dim, dm.dtype, dm.device, args.prompt)
+    embeds = prompt_embeddings(pipe, dm.dtype, dm.device, args.prompt)
     threads = _runtime.get_num_threads()
     dtype = str(dm.dtype).replace("torch.", "")
     print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -22,9 +23,15 @@ from npu_attn.bench_e2e import (
     check_image_configs,
     images_markdown,
     make_inputs,
-    prompt_kwargs,
 )
-from npu_attn.demo import ARCHITECTURES, MODELS, SDXL_MODELS, build_pipeline, vae_scale_factor
+from npu_attn.demo import (
+    ARCHITECTURES,
+    MODELS,
+    SDXL_MODELS,
+    build_pipeline,
+    prompt_embeddings,
+    vae_scale_factor,
+)
 from tiny_accel_models import sd3_pipeline
 
 LABELS = [config[0] for config in IMAGE_CONFIGS]
@@ -109,10 +116,12 @@ def test_sdxl_is_stable_diffusion_xl_base_architecture():
         unet = UNet2DConditionModel(**overrides)
     assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
     assert (size, cross, vae) == (1024, 2048, (128, 256, 512, 512))
-    kwargs = prompt_kwargs("sdxl", torch.bfloat16)
+    kwargs = prompt_embeddings(types.SimpleNamespace(unet=unet), torch.bfloat16, "cpu")
     assert kwargs["prompt_embeds"].shape == (1, 77, 2048)
     assert kwargs["negative_pooled_prompt_embeds"].shape == (1, 1280)
-    assert set(prompt_kwargs("sd15", torch.float32)) == {"prompt_embeds", "negative_prompt_embeds"}
+    assert kwargs["prompt_embeds"].dtype == torch.bfloat16
+    sd15 = prompt_embeddings(build_pipeline("tiny"), torch.float32, "cpu")
+    assert set(sd15) == {"prompt_embeds", "negative_prompt_embeds"}
 
 
 def test_step_benchmark_inputs_carry_sdxl_added_conditions():

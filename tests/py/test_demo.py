@@ -185,3 +185,29 @@ def test_demo_runs_auto_with_token_merging_and_deepcache_as_a_separate_row(tmp_p
     # lossy: a real deviation from the exact sdpa run, while the exact rows stay exact
     assert float(accelerated[3]) > 1e-4
     assert float(rows["auto (steady state)"][3]) < 1e-4
+
+
+def test_demo_runs_the_sdxl_architecture_with_token_merging_and_deepcache(tmp_path):
+    """SDXL's pipeline (pooled embeddings and added time conditions) through the demo: every
+    strategy, and the accelerated row, which merges at SDXL's highest attention resolution."""
+    result = run_demo(
+        tmp_path,
+        "--model",
+        "tiny-sdxl",
+        "--steps",
+        "3",
+        "--strategies",
+        "sdpa,tiled",
+        "--tome",
+        "0.5",
+        "--deepcache",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tiny-sdxl architecture" in result.stdout
+    rows = table_rows(result.stdout)
+    assert float(rows["tiled"][3]) < 1e-4  # exact
+    assert float(rows["auto + ToMe 0.5 + DeepCache 2"][3]) > 1e-4  # lossy, so it really ran
+    assert (tmp_path / "out" / "image.png").is_file()
