@@ -163,24 +163,21 @@ def test_demo_refuses_a_folder_that_is_not_a_diffusers_model(tmp_path):
     assert "is not a diffusers model folder: no model_index.json" in result.stderr
 
 
-def test_demo_runs_auto_with_token_merging_and_deepcache_as_a_separate_row(tmp_path):
+def run_accelerated_demo(tmp_path, model: str, strategies: str) -> dict[str, list[str]]:
+    """3 steps of ``model`` under ``strategies`` plus the ToMe 0.5 + DeepCache 2 row; the
+    table's rows (the run must succeed)."""
     result = run_demo(
         tmp_path,
-        "--model",
-        "tiny",
-        "--steps",
-        "3",
-        "--strategies",
-        "sdpa",
-        "--tome",
-        "0.5",
-        "--deepcache",
-        "2",
-        "--out",
-        str(tmp_path / "out"),
+        *("--model", model, "--steps", "3", "--strategies", strategies),
+        *("--tome", "0.5", "--deepcache", "2", "--out", str(tmp_path / "out")),
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = table_rows(result.stdout)
+    assert f"{model} architecture" in result.stdout
+    return table_rows(result.stdout)
+
+
+def test_demo_runs_auto_with_token_merging_and_deepcache_as_a_separate_row(tmp_path):
+    rows = run_accelerated_demo(tmp_path, "tiny", "sdpa")
     accelerated = rows["auto + ToMe 0.5 + DeepCache 2"]
     # lossy: a real deviation from the exact sdpa run, while the exact rows stay exact
     assert float(accelerated[3]) > 1e-4
@@ -190,24 +187,7 @@ def test_demo_runs_auto_with_token_merging_and_deepcache_as_a_separate_row(tmp_p
 def test_demo_runs_the_sdxl_architecture_with_token_merging_and_deepcache(tmp_path):
     """SDXL's pipeline (pooled embeddings and added time conditions) through the demo: every
     strategy, and the accelerated row, which merges at SDXL's highest attention resolution."""
-    result = run_demo(
-        tmp_path,
-        "--model",
-        "tiny-sdxl",
-        "--steps",
-        "3",
-        "--strategies",
-        "sdpa,tiled",
-        "--tome",
-        "0.5",
-        "--deepcache",
-        "2",
-        "--out",
-        str(tmp_path / "out"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "tiny-sdxl architecture" in result.stdout
-    rows = table_rows(result.stdout)
+    rows = run_accelerated_demo(tmp_path, "tiny-sdxl", "sdpa,tiled")
     assert float(rows["tiled"][3]) < 1e-4  # exact
     assert float(rows["auto + ToMe 0.5 + DeepCache 2"][3]) > 1e-4  # lossy, so it really ran
     assert (tmp_path / "out" / "image.png").is_file()
