@@ -131,10 +131,8 @@ ARCHITECTURES = {**MODELS, **SDXL_MODELS}
 
 
 def pooled_text_dim(unet_config) -> Optional[int]:
-    """The width of the pooled text embedding an SDXL-style UNet takes (a UNet config mapping,
-    or the overrides of an ARCHITECTURES name); None for SD-1.5/2.1."""
-    if isinstance(unet_config, str):
-        unet_config = ARCHITECTURES[unet_config][0]
+    """The width of the pooled text embedding an SDXL-style UNet takes (from its config);
+    None for SD-1.5/2.1."""
     if unet_config.get("addition_embed_type") != "text_time":
         return None
     return (

@@ -162,7 +162,7 @@ def bipartite_soft_matching_random2d(
         src_pos, dst_pos = a_idx.view(-1), b_idx.view(-1)
         r = min(src_pos.numel(), r)  # cannot merge more tokens than there are sources
         kept, merged, merged_into = _match(metric, src_pos, dst_pos, r)
-        plan = _RowPlan(tokens, src_pos, dst_pos, kept, merged, merged_into)
+        plan = _RowPlan(tokens, src_pos, dst_pos, kept, merged, merged_into, metric.dtype)
     return plan.merge, plan.unmerge
 
 
@@ -200,6 +200,7 @@ class _RowPlan:
         kept: torch.Tensor,
         merged: torch.Tensor,
         merged_into: torch.Tensor,
+        dtype: torch.dtype,
     ) -> None:
         batch, r = merged.shape
         device = src_pos.device
@@ -216,11 +217,10 @@ class _RowPlan:
         self.merged_rows = rows_of(merged_pos, tokens)
         self.dst_rows = rows_of(dst_pos.expand(batch, num_dst), tokens)
         self.merged_slots = rows_of(merged_into, num_dst)  # rows of the [B * num_dst] means
-        counts = torch.ones(batch * num_dst, device=device)
-        counts.index_add_(
-            0, self.merged_slots, torch.ones(self.merged_slots.numel(), device=device)
-        )
-        self.counts = counts[:, None]
+        # Each mean's count (itself plus its sources), in the tokens' dtype (small integers,
+        # exact) as tomesd's scatter_reduce divides.
+        counts = 1 + torch.bincount(self.merged_slots, minlength=batch * num_dst)
+        self.counts = counts.to(dtype)[:, None]
         # Output token p of batch row b is row unmerge_rows[b * N + p] of the merged tensor.
         source = torch.empty(batch, tokens, dtype=torch.int64, device=device)
         arange = torch.arange(tokens, device=device)
