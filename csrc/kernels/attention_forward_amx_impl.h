@@ -4,12 +4,14 @@
 //
 // Same transposed layout as the float32 and vdpbf16ps kernels (one float32 lane per query), so
 // the softmax is vertical vector code with no horizontal reductions, shared with the vdpbf16ps
-// kernel (softmax_update_pairs writes P^T as bfloat16 pairs, exactly AMX's "VNNI" B layout):
-//   per sub-tile = (batch, q-head, 32 queries), for each key block of 128-512 keys:
+// kernel (exp_pair_row writes P^T as bfloat16 pairs, exactly AMX's "VNNI" B layout):
+//   per sub-tile = (batch, q-head, 32 queries), for each key block of 128-256 keys:
 //     S^T (keys x 32)  = K Q^T        A: K rows (16 keys x 32 dims), B: Q^T pairs (16 x 16 q)
 //     * scale, mask, causal; online softmax -> P^T pairs, O^T *= alpha         (AVX-512)
 //     O^T (Dv x 32)   += V^T P^T      A: V^T rows (16 channels x 32 keys), B: P^T pairs
 //   out = O / l (bfloat16), lse = m + log(l)
+// software-pipelined across (sub-tile, key block) units so the exponentials of one unit run
+// between the tile steps of its neighbours' products (see AmxSubTile).
 // A task is 1-4 such sub-tiles that take each key block in turn (query groups, see
 // kAmxMaxGroups): when K and V^T outgrow L2, a block is then fetched once for all of them.
 // Each product step is a 2x2 block of 16x16 accumulators (4 tiles) from 2 A and 2 B tiles, so
@@ -44,12 +46,13 @@ constexpr int64_t kAmxTileK = 32;     // bfloat16 per tile row: head dims / keys
 constexpr int64_t kAmxBlockQ = 32;
 // Keys per block of the key loop (a multiple of kAmxTileK): at least kAmxMinBlockK, so the
 // block's S^T (128 x 32 floats, 16 KiB) and P^T pairs (8 KiB) stay in L1 between the softmax and
-// the two products; and at least the (padded) head dim of V, up to kAmxMaxBlockK, because
-// amx_values loads and stores the O^T accumulators (dim_v_pad x 32 floats) once per block: with
-// 128-key blocks at head dim 512 (the VAE's attention) that traffic, 128 KiB per block, took
-// longer than the tile products it feeds.
+// the two products; and at least the (padded) head dim of V, up to kAmxMaxBlockK, because the
+// value product loads and stores the O^T accumulators (dim_v_pad x 32 floats) once per block:
+// with 128-key blocks at head dim 512 (the VAE's attention) that traffic, 128 KiB per block,
+// took longer than the tile products it feeds. Since the pipelining keeps two S^T and two P^T
+// buffers live, 512-key blocks (64 KiB of S^T each) were 6-12% slower there than 256.
 constexpr int64_t kAmxMinBlockK = 128;
-constexpr int64_t kAmxMaxBlockK = 512;
+constexpr int64_t kAmxMaxBlockK = 256;
 // Query groups: a task runs up to kAmxMaxGroups sub-tiles of kAmxBlockQ queries over each key
 // block in turn, so the block's K and V^T (read from L2 by every sub-tile) come from L3 or
 // memory once per group instead of once per 32 queries. Used when one pair's K and V^T exceed
@@ -95,8 +98,16 @@ struct AmxPlan {
   bool k_in_place;    // K rows already hold whole tiles (head_dim and len_k multiples of 32)
   int64_t k_row;      // elements between packed K rows (dim_pad) when packing
   int64_t groups;     // sub-tiles of kAmxBlockQ queries per task (1..kAmxMaxGroups)
-  int64_t sub_scratch_floats;  // one sub-tile's PairScratch
 };
+
+// Floats of one sub-tile's scratch, and of a thread's (sub-tiles, then the double-buffered S^T
+// and P^T, see AmxScratch).
+int64_t amx_sub_tile_floats(const AmxPlan& a) {
+  return round_up(kAmxBlockQ * (a.dim_v_pad + 3 + a.dim_pad / 2), kScratchAlignFloats);
+}
+int64_t amx_scratch_floats(const AmxPlan& a) {
+  return a.groups * amx_sub_tile_floats(a) + 2 * kAmxBlockQ * (a.pairs.block_k * 3 / 2);
+}
 
 // Sub-tiles per task: 1 while a pair's K and V^T fit in L2 (each sub-tile rereads them from
 // there), else as many as keep kAmxTasksPerThread tasks per thread.
@@ -135,9 +146,7 @@ AmxPlan plan_amx(const AttentionParams& p, int threads) {
   s.pack_tiles = a.len_k_pad / kAmxTileK;  // one item per 32 keys
   s.pair_floats = pair_elems / 2;
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kAmxPackBudgetBytes);
-  // One PairScratch per sub-tile, with block_q = 32 and O^T rows padded to dim_v_pad.
-  a.sub_scratch_floats = round_up(pair_scratch_words(a.pairs, a.dim_v_pad), kScratchAlignFloats);
-  s.scratch_floats = a.sub_scratch_floats * a.groups;
+  s.scratch_floats = amx_scratch_floats(a);
   return a;
 }
 
@@ -249,9 +258,17 @@ void pack_amx_block(const AttentionParams& p, const AmxPlan& a, int64_t pair, in
 }
 
 // ---------------------------------------------------------------- products
+// The products take `between`, called after every step of four tdpbf16ps: vector work placed
+// there runs while the tile unit computes (see run_amx_task).
+struct NothingBetween {
+  NPU_ATTN_VEC_INLINE void operator()() const {}
+};
+
 // S^T (keys x 32 queries, ld 32) = K Q^T for `keys32` keys starting at `k` (rows k_row apart).
-void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t k_row, int64_t keys32,
-                const uint32_t* qp, float* st) {
+template <typename Between>
+NPU_ATTN_VEC_INLINE void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t k_row,
+                                    int64_t keys32, const uint32_t* qp, float* st,
+                                    Between& between) {
   const int64_t k_stride = k_row * 2, q_stride = kAmxBlockQ * 4, s_stride = kAmxBlockQ * 4;
   for (int64_t j = 0; j < keys32; j += 32) {
     _tile_zero(0);
@@ -267,6 +284,7 @@ void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t k_row, int64_t keys
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+      between();
     }
     _tile_stored(0, st + j * kAmxBlockQ, s_stride);
     _tile_stored(1, st + j * kAmxBlockQ + 16, s_stride);
@@ -275,14 +293,16 @@ void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t k_row, int64_t keys
   }
 }
 
-// O^T (dim_v_pad x 32, ld 32) += V^T P^T over `keys32` keys; vt points at the block's first
-// 32-key chunk of V^T (chunks of dim_v_pad x 32), pp at its first key-pair row.
-void amx_values(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp, int64_t keys32,
-                float* ot) {
+// O^T rows [c, c + 32) (or [c, c + 16) for a last row block of 16 channels) += V^T P^T over
+// `keys32` keys; vt points at the unit's first 32-key chunk of V^T (chunks of dim_v_pad x 32),
+// pp at its first key-pair row. The row block of O^T (ld 32) is loaded into the accumulators
+// once per call.
+template <typename Between>
+NPU_ATTN_VEC_INLINE void amx_values_rows(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp,
+                                         int64_t keys32, int64_t c, float* ot, Between& between) {
   const int64_t v_stride = 64, chunk = a.dim_v_pad * 32, p_stride = kAmxBlockQ * 4,
                 o_stride = kAmxBlockQ * 4;
-  int64_t c = 0;
-  for (; c + 32 <= a.dim_v_pad; c += 32) {  // two channel row blocks at once
+  if (c + 32 <= a.dim_v_pad) {  // two channel row blocks at once
     _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
     _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
     _tile_loadd(2, ot + (c + 16) * kAmxBlockQ, o_stride);
@@ -296,94 +316,268 @@ void amx_values(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp, int64_
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+      between();
     }
     _tile_stored(0, ot + c * kAmxBlockQ, o_stride);
     _tile_stored(1, ot + c * kAmxBlockQ + 16, o_stride);
     _tile_stored(2, ot + (c + 16) * kAmxBlockQ, o_stride);
     _tile_stored(3, ot + (c + 16) * kAmxBlockQ + 16, o_stride);
+    return;
   }
-  if (c < a.dim_v_pad) {  // a last row block of 16 channels
-    _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
-    _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
-    for (int64_t j = 0; j < keys32; j += 32) {
-      _tile_loadd(4, vt + (j / 32) * chunk + c * 32, v_stride);
-      _tile_loadd(6, pp + (j / 2) * kAmxBlockQ, p_stride);
-      _tile_loadd(7, pp + (j / 2) * kAmxBlockQ + 16, p_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_stored(0, ot + c * kAmxBlockQ, o_stride);
-    _tile_stored(1, ot + c * kAmxBlockQ + 16, o_stride);
+  _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
+  _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
+  for (int64_t j = 0; j < keys32; j += 32) {
+    _tile_loadd(4, vt + (j / 32) * chunk + c * 32, v_stride);
+    _tile_loadd(6, pp + (j / 2) * kAmxBlockQ, p_stride);
+    _tile_loadd(7, pp + (j / 2) * kAmxBlockQ + 16, p_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    between();
   }
+  _tile_stored(0, ot + c * kAmxBlockQ, o_stride);
+  _tile_stored(1, ot + c * kAmxBlockQ + 16, o_stride);
 }
 
 // ---------------------------------------------------------------- one task
-// One thread's scratch: a PairScratch per sub-tile of the task.
-struct AmxScratch {
-  PairScratch sub[kAmxMaxGroups];
+// A unit of work is one sub-tile (32 queries) against one key block. Its stages alternate
+// between the two engines: S^T = K Q^T (AMX), the softmax (AVX-512), O^T += V^T P^T (AMX).
+// Run one after another, each engine idles while the other works (the softmax is about half of
+// a unit at head dims up to 128). So the task is software-pipelined: the exponentials of unit u
+// are handed out in portions between the tile steps of the scores of unit u + 1 and of the
+// value product of unit u - 1, so the core runs them while the tile unit computes. That needs
+// two S^T and two P^T buffers, and the O^T rescale of unit u (the online softmax's alpha)
+// deferred until unit u - 1's value product has been issued: it is applied at the start of the
+// next step, before unit u's own value product.
+struct AmxSubTile {
+  QueryTile tile;
+  int64_t key_limit;     // causal: keys past the sub-tile's last query are not visited
+  ThreadScratch f32;     // ot, m, l (what write_output reads); st and qt unused
+  float* alpha;          // kAmxBlockQ: the pending O^T rescale
+  bool rescale_pending;  // alpha differs from 1 in some lane and is not applied yet
+  uint32_t* qp;          // dim_pad / 2 x kAmxBlockQ: Q^T pairs (the B operand of the scores)
 };
 
+// One thread's scratch: the sub-tiles of its task, and the double-buffered S^T and P^T.
+struct AmxScratch {
+  AmxSubTile sub[kAmxMaxGroups];
+  float* st[2];     // block_k x kAmxBlockQ
+  uint32_t* pp[2];  // block_k / 2 x kAmxBlockQ
+};
+
+AmxScratch carve_amx_scratch(const AmxPlan& a, float* base) {
+  AmxScratch ws{};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    AmxSubTile& s = ws.sub[g];
+    s.f32.ot = base + g * amx_sub_tile_floats(a);
+    s.f32.m = s.f32.ot + a.dim_v_pad * kAmxBlockQ;
+    s.f32.l = s.f32.m + kAmxBlockQ;
+    s.alpha = s.f32.l + kAmxBlockQ;
+    s.qp = reinterpret_cast<uint32_t*>(s.alpha + kAmxBlockQ);
+  }
+  float* shared = base + a.groups * amx_sub_tile_floats(a);
+  for (int b = 0; b < 2; ++b) {
+    ws.st[b] = shared + b * kAmxBlockQ * a.pairs.block_k;
+    ws.pp[b] = reinterpret_cast<uint32_t*>(shared + 2 * kAmxBlockQ * a.pairs.block_k) +
+               b * kAmxBlockQ * (a.pairs.block_k / 2);
+  }
+  return ws;
+}
+
 // Q^T pairs of one sub-tile (zero rows up to dim_pad), and its running max, sum and O^T reset.
-void start_sub_tile(const AttentionParams& p, const AmxPlan& a, const QueryTile& tile,
-                    PairScratch& ws) {
+void start_sub_tile(const AttentionParams& p, const AmxPlan& a, AmxSubTile& s) {
   constexpr int64_t ld = kAmxBlockQ;
   PairLayout q_layout = a.pairs;  // load_query_pairs pads lanes, not head dims
   q_layout.k_words = (p.head_dim + 1) / 2;
-  load_query_pairs(p, q_layout, tile, ws.qp);
+  load_query_pairs(p, q_layout, s.tile, s.qp);
   for (int64_t w = q_layout.k_words; w < a.dim_pad / 2; ++w)
-    for (int64_t i = 0; i < ld; ++i) ws.qp[w * ld + i] = 0;
+    for (int64_t i = 0; i < ld; ++i) s.qp[w * ld + i] = 0;
   for (int64_t i = 0; i < ld; ++i) {
-    ws.f32.m[i] = kNegInf;
-    ws.f32.l[i] = 0.0f;
+    s.f32.m[i] = kNegInf;
+    s.f32.l[i] = 0.0f;
   }
-  for (int64_t i = 0; i < a.dim_v_pad * ld; ++i) ws.f32.ot[i] = 0.0f;
+  for (int64_t i = 0; i < a.dim_v_pad * ld; ++i) s.f32.ot[i] = 0.0f;
+  s.rescale_pending = false;
 }
 
-// Keys [k0, k0 + keys) for one sub-tile: S^T, mask, online softmax, O^T += V^T P^T.
-NPU_ATTN_VEC_INLINE void key_block_of_sub_tile(const AttentionParams& p, const AmxPlan& a,
-                                               const uint16_t* k, int64_t k_row, const uint16_t* vt,
-                                               const QueryTile& tile, int64_t k0, int64_t keys,
-                                               PairScratch& ws) {
+// (sub-tile, key block) units in the order they run: key blocks outer, so a block's K and V^T
+// serve every sub-tile of the task while in cache. g < 0: none left.
+struct AmxUnit {
+  int64_t g, k0, keys;
+};
+
+AmxUnit next_unit(const AmxPlan& a, const AmxScratch& ws, int64_t subs, int64_t key_limit,
+                  AmxUnit u) {
+  int64_t g = u.g + 1, k0 = u.k0;
+  for (;;) {
+    if (g == subs) {
+      g = 0;
+      k0 += a.pairs.block_k;
+      if (k0 >= key_limit) return AmxUnit{-1, 0, 0};
+    }
+    const int64_t limit = ws.sub[g].key_limit;
+    if (k0 < limit) return AmxUnit{g, k0, min_i64(a.pairs.block_k, limit - k0)};
+    ++g;
+  }
+}
+
+// The softmax's first half for one unit: the block's row maxima, the new running max, l scaled
+// by alpha = exp(m_old - m_new), and alpha kept for O^T (applied later, see AmxSubTile). Where
+// no lane's maximum moved alpha is exactly 1 and O^T is left alone (bit-identical).
+// Returns shift * log2(e) per query vector, for the exponentials.
+NPU_ATTN_VEC_INLINE void softmax_max_deferred(int64_t keys, const float* st, float score_scale,
+                                              AmxSubTile& s, Vec (&shift2)[2]) {
   constexpr int64_t ld = kAmxBlockQ;
-  const int64_t keys32 = round_up(keys, kAmxTileK);
-  amx_scores(a, k + k0 * k_row, k_row, keys32, ws.qp, ws.f32.st);
-  const float rest_scale = scale_scores_if_needed(p, keys, ld, ws.f32.st, ld);
-  if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.f32.st, ld);
-  if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.f32.st, ld);
-  softmax_update_pairs<kAmxBlockQ / kLanes>(p, a.pairs, keys, rest_scale, ws);
-  // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
-  for (int64_t w = (keys + 1) / 2; w < keys32 / 2; ++w)
-    for (int64_t i = 0; i < ld; ++i) ws.pp[w * ld + i] = 0;
-  amx_values(a, vt + k0 / kAmxTileK * a.dim_v_pad * kAmxTileK, ws.pp, keys32, ws.f32.ot);
+  Vec m_tile[2] = {splat(kNegInf), splat(kNegInf)};
+  for (int64_t j = 0; j < keys; ++j)
+    for (int v = 0; v < 2; ++v)
+      m_tile[v] = max_ignoring_nan(load(st + j * ld + v * kLanes), m_tile[v]);
+  bool moved = false;
+  for (int v = 0; v < 2; ++v) {
+    m_tile[v] *= splat(score_scale);  // -inf stays -inf: score_scale > 0
+    const Vec m_old = load(s.f32.m + v * kLanes);
+    const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
+    // Queries whose keys are all masked so far keep m = -inf; shifting by 0 keeps their
+    // probabilities exactly 0 (exp(-inf)) instead of NaN (exp(-inf - -inf)).
+    const Vec shift = m_new == kNegInf ? splat(0.0f) : m_new;
+    const Vec alpha = exp_nonpositive(m_old - shift);
+    store(s.f32.m + v * kLanes, m_new);
+    store(s.f32.l + v * kLanes, load(s.f32.l + v * kLanes) * alpha);
+    store(s.alpha + v * kLanes, alpha);
+    moved |= any_lane_differs(m_new, m_old);
+    shift2[v] = shift * splat(kLog2e);
+  }
+  s.rescale_pending = moved;
 }
 
-// A task of up to `groups` sub-tiles of 32 queries: each key block is used by every sub-tile
-// in turn while it is in L2.
-void run_amx_task(const AttentionParams& p, const AmxPlan& a, const uint16_t* k, int64_t k_row,
-                  const uint16_t* vt, const QueryTile& task, AmxScratch& ws) {
-  QueryTile sub[kAmxMaxGroups];
-  int64_t limit[kAmxMaxGroups];
+// The pending O^T *= alpha of a sub-tile.
+void apply_pending_rescale(const AttentionParams& p, AmxSubTile& s) {
+  if (!s.rescale_pending) return;
+  const Vec alpha[2] = {load(s.alpha), load(s.alpha + kLanes)};
+  for (int64_t c = 0; c < p.head_dim_v; ++c)
+    for (int v = 0; v < 2; ++v) {
+      float* o = s.f32.ot + c * kAmxBlockQ + v * kLanes;
+      store(o, load(o) * alpha[v]);
+    }
+  s.rescale_pending = false;
+}
+
+// The softmax's second half for one unit, in portions: P^T pairs and row sums, two keys (one
+// pair row) at a time. run_amx_task hands a portion to every step of the tile products.
+struct ExpWork {
+  const float* st;
+  uint32_t* pp;
+  int64_t keys;
+  int64_t next_pair = 0;  // pair rows done
+  int64_t quota = 0;      // pair rows per portion
+  Vec factor;
+  Vec shift2[2];
+  Vec sum[2] = {splat(0.0f), splat(0.0f)};
+
+  // Pair rows up to `end` (capped at the unit's); an odd last key pairs with zero.
+  NPU_ATTN_VEC_INLINE void run_to(int64_t end) {
+    end = min_i64(end, (keys + 1) / 2);
+    for (; next_pair < min_i64(end, keys / 2); ++next_pair)
+      exp_pair_row<2, true>(st, kAmxBlockQ, 2 * next_pair, factor, shift2, sum, pp);
+    if (next_pair < end) {
+      exp_pair_row<2, false>(st, kAmxBlockQ, 2 * next_pair, factor, shift2, sum, pp);
+      ++next_pair;
+    }
+  }
+  NPU_ATTN_VEC_INLINE void operator()() { run_to(next_pair + quota); }
+};
+
+// Scores, scale and masks of a unit's S^T are ready: its scale still to apply (see
+// scale_scores_if_needed) after masks and the causal cut-off are added.
+float prepare_scores(const AttentionParams& p, const AmxSubTile& s, const AmxUnit& u, float* st) {
+  const float rest_scale = scale_scores_if_needed(p, u.keys, kAmxBlockQ, st, kAmxBlockQ);
+  if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, s.tile, u.k0, u.keys, st, kAmxBlockQ);
+  if (p.is_causal && u.k0 + u.keys > s.tile.q0) apply_causal(s.tile, u.k0, u.keys, st, kAmxBlockQ);
+  return rest_scale;
+}
+
+// The operands of one task, as run_amx_task passes them to the stages.
+struct AmxOperands {
+  const uint16_t* k;  // K rows, k_row elements apart
+  int64_t k_row;
+  const uint16_t* vt;  // packed V^T chunks
+};
+
+// A unit's products, with `between` after every step of four tdpbf16ps.
+template <typename Between>
+NPU_ATTN_VEC_INLINE void issue_scores(const AmxPlan& a, const AmxOperands& op,
+                                      const AmxScratch& ws, const AmxUnit& u, float* st,
+                                      Between& between) {
+  amx_scores(a, op.k + u.k0 * op.k_row, op.k_row, round_up(u.keys, kAmxTileK), ws.sub[u.g].qp, st,
+             between);
+}
+template <typename Between>
+NPU_ATTN_VEC_INLINE void issue_values(const AmxPlan& a, const AmxOperands& op,
+                                      const AmxScratch& ws, const AmxUnit& u, const uint32_t* pp,
+                                      Between& between) {
+  const uint16_t* vt = op.vt + u.k0 / kAmxTileK * a.dim_v_pad * kAmxTileK;
+  for (int64_t c = 0; c < a.dim_v_pad; c += 32)
+    amx_values_rows(a, vt, pp, round_up(u.keys, kAmxTileK), c, ws.sub[u.g].f32.ot, between);
+}
+
+// Steps of four tdpbf16ps in a unit's scores and in its value product.
+int64_t score_steps(const AmxPlan& a, const AmxUnit& u) {
+  return u.g < 0 ? 0 : ceil_div(u.keys, kAmxTileK) * (a.dim_pad / kAmxTileK);
+}
+int64_t value_steps(const AmxPlan& a, const AmxUnit& u) {
+  return u.g < 0 ? 0 : ceil_div(u.keys, kAmxTileK) * ceil_div(a.dim_v_pad, 32);
+}
+
+// A task of up to `groups` sub-tiles of 32 queries, pipelined over its units (see AmxSubTile).
+void run_amx_task(const AttentionParams& p, const AmxPlan& a, const AmxOperands& op,
+                  const QueryTile& task, AmxScratch& ws) {
   const int64_t subs = ceil_div(task.rows, kAmxBlockQ);
   int64_t key_limit = 0;
   for (int64_t g = 0; g < subs; ++g) {
-    sub[g] = task;
-    sub[g].q0 = task.q0 + g * kAmxBlockQ;
-    sub[g].rows = min_i64(kAmxBlockQ, task.q0 + task.rows - sub[g].q0);
-    sub[g].vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
-    limit[g] = p.is_causal ? min_i64(p.len_k, sub[g].q0 + sub[g].rows) : p.len_k;
-    key_limit = max_i64(key_limit, limit[g]);
-    start_sub_tile(p, a, sub[g], ws.sub[g]);
+    AmxSubTile& s = ws.sub[g];
+    s.tile = task;
+    s.tile.q0 = task.q0 + g * kAmxBlockQ;
+    s.tile.rows = min_i64(kAmxBlockQ, task.q0 + task.rows - s.tile.q0);
+    s.tile.vecs = kAmxBlockQ / kLanes;  // the softmax runs on whole tiles
+    s.key_limit = p.is_causal ? min_i64(p.len_k, s.tile.q0 + s.tile.rows) : p.len_k;
+    key_limit = max_i64(key_limit, s.key_limit);
+    start_sub_tile(p, a, s);
   }
-  for (int64_t k0 = 0; k0 < key_limit; k0 += a.pairs.block_k) {
-    for (int64_t g = 0; g < subs; ++g) {
-      if (k0 >= limit[g]) continue;  // causal: this sub-tile's keys end earlier
-      const int64_t keys = min_i64(a.pairs.block_k, limit[g] - k0);
-      key_block_of_sub_tile(p, a, k, k_row, vt, sub[g], k0, keys, ws.sub[g]);
-    }
+  NothingBetween nothing;
+  AmxUnit prev{-1, 0, 0};
+  AmxUnit cur = next_unit(a, ws, subs, key_limit, AmxUnit{-1, 0, 0});
+  issue_scores(a, op, ws, cur, ws.st[0], nothing);
+  int buf = 0;  // cur's S^T and P^T buffers; prev's P^T and next's S^T use the other pair
+  while (cur.g >= 0) {
+    const AmxUnit next = next_unit(a, ws, subs, key_limit, cur);
+    AmxSubTile& s = ws.sub[cur.g];
+    if (prev.g >= 0) apply_pending_rescale(p, ws.sub[prev.g]);
+    ExpWork exp{};
+    exp.st = ws.st[buf];
+    exp.pp = ws.pp[buf];
+    exp.keys = cur.keys;
+    const float rest_scale = prepare_scores(p, s, cur, ws.st[buf]);
+    softmax_max_deferred(cur.keys, exp.st, rest_scale, s, exp.shift2);
+    exp.factor = splat(rest_scale * kLog2e);
+    // The exponentials in even portions between the steps of the next unit's scores and the
+    // previous unit's value product; what is left (no products to hide behind) after them.
+    const int64_t steps = score_steps(a, next) + value_steps(a, prev);
+    exp.quota = steps == 0 ? 0 : ceil_div((cur.keys + 1) / 2, steps);
+    if (next.g >= 0) issue_scores(a, op, ws, next, ws.st[buf ^ 1], exp);
+    if (prev.g >= 0) issue_values(a, op, ws, prev, ws.pp[buf ^ 1], exp);
+    exp.run_to(cur.keys);
+    for (int v = 0; v < 2; ++v) store(s.f32.l + v * kLanes, load(s.f32.l + v * kLanes) + exp.sum[v]);
+    // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
+    for (int64_t w = (cur.keys + 1) / 2; w < round_up(cur.keys, kAmxTileK) / 2; ++w)
+      for (int64_t i = 0; i < kAmxBlockQ; ++i) exp.pp[w * kAmxBlockQ + i] = 0;
+    prev = cur;
+    cur = next;
+    buf ^= 1;
   }
+  apply_pending_rescale(p, ws.sub[prev.g]);
+  issue_values(a, op, ws, prev, ws.pp[buf ^ 1], nothing);
   Tiling t{};  // write_output reads only schedule.block_q
   t.schedule.block_q = kAmxBlockQ;
-  for (int64_t g = 0; g < subs; ++g) write_output<BFloat16>(p, sub[g], t, ws.sub[g].f32);
+  for (int64_t g = 0; g < subs; ++g) write_output<BFloat16>(p, ws.sub[g].tile, t, ws.sub[g].f32);
 }
 
 // ---------------------------------------------------------------- family traits
@@ -398,10 +592,7 @@ struct AmxFamily {
   // Loads this thread's tile configuration, and carves its scratch (one part per sub-tile).
   static Scratch enter_thread(const AttentionParams& p, const Plan& a, float* scratch) {
     configure_tiles();
-    Scratch ws{};
-    for (int64_t g = 0; g < a.groups; ++g)
-      ws.sub[g] = carve_pair_scratch(a.pairs, a.dim_v_pad, scratch + g * a.sub_scratch_floats);
-    return ws;
+    return carve_amx_scratch(a, scratch);
   }
   static void leave_thread(Scratch&) { _tile_release(); }
   static void pack(const AttentionParams& p, const Plan& a, int64_t pair, int64_t key_tile,
@@ -411,14 +602,16 @@ struct AmxFamily {
   static void run(const AttentionParams& p, const Plan& a, const QueryTask& task,
                   const float* pair_pack, Scratch& ws) {
     const QueryTile& tile = task.tile;
-    const uint16_t* vt = reinterpret_cast<const uint16_t*>(pair_pack);
-    const uint16_t* k = vt + a.dim_v_pad * a.len_k_pad;
-    int64_t k_row = a.k_row;
+    AmxOperands op{};
+    op.vt = reinterpret_cast<const uint16_t*>(pair_pack);
+    op.k = op.vt + a.dim_v_pad * a.len_k_pad;
+    op.k_row = a.k_row;
     if (a.k_in_place) {
-      k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] + task.hkv * p.k_stride[1];
-      k_row = p.k_stride[2];
+      op.k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] +
+             task.hkv * p.k_stride[1];
+      op.k_row = p.k_stride[2];
     }
-    run_amx_task(p, a, k, k_row, vt, tile, ws);
+    run_amx_task(p, a, op, tile, ws);
   }
 };
 

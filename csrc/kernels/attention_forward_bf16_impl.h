@@ -286,6 +286,25 @@ NPU_ATTN_VEC_INLINE Vec exp2_probability(Vec t) {
 }
 #pragma GCC diagnostic pop
 
+constexpr float kLog2e = 1.44269504088896341f;
+
+// The probabilities of keys j and j + 1 (HasHi; else key j and a zero: an odd last key) for
+// Vecs vectors of queries: exp(s * scale - shift) = 2^(s * factor - shift2), rounded to one
+// row of bfloat16 pairs of P^T, and added to the row sums.
+template <int Vecs, bool HasHi>
+NPU_ATTN_VEC_INLINE void exp_pair_row(const float* st, int64_t ld, int64_t j, Vec factor,
+                                      const Vec (&shift2)[Vecs], Vec (&sum)[Vecs], uint32_t* pp) {
+#pragma GCC unroll 4
+  for (int v = 0; v < Vecs; ++v) {
+    const Vec lo = exp2_probability(load(st + j * ld + v * kLanes) * factor - shift2[v]);
+    const Vec hi = HasHi ? exp2_probability(load(st + (j + 1) * ld + v * kLanes) * factor -
+                                            shift2[v])
+                         : splat(0.0f);
+    sum[v] += HasHi ? lo + hi : lo;
+    _mm512_storeu_si512(pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, hi));
+  }
+}
+
 // Online softmax of one key tile (like softmax_update, sharing its first half,
 // softmax_rescale) that writes P as bfloat16 pairs.
 // `score_scale` is the factor still to apply to S^T: 1 when the caller already scaled it (it
@@ -299,29 +318,13 @@ void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t
   Vec shift[Vecs], sum[Vecs];
   softmax_rescale<Vecs, true>(p, ld, keys, st, score_scale, ws.f32, shift, sum);
   // exp(s * scale - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one FMA per score.
-  constexpr float kLog2e = 1.44269504088896341f;
   const Vec factor = splat(score_scale * kLog2e);
   Vec shift2[Vecs];
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * splat(kLog2e);
   int64_t j = 0;
-  for (; j + 1 < keys; j += 2) {
-#pragma GCC unroll 4
-    for (int v = 0; v < Vecs; ++v) {
-      const Vec lo = exp2_probability(load(st + j * ld + v * kLanes) * factor - shift2[v]);
-      const Vec hi = exp2_probability(load(st + (j + 1) * ld + v * kLanes) * factor - shift2[v]);
-      sum[v] += lo + hi;
-      _mm512_storeu_si512(ws.pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, hi));
-    }
-  }
-  if (j < keys) {  // an odd last key pairs with zero
-#pragma GCC unroll 4
-    for (int v = 0; v < Vecs; ++v) {
-      const Vec lo = exp2_probability(load(st + j * ld + v * kLanes) * factor - shift2[v]);
-      sum[v] += lo;
-      _mm512_storeu_si512(ws.pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, splat(0.0f)));
-    }
-  }
+  for (; j + 1 < keys; j += 2) exp_pair_row<Vecs, true>(st, ld, j, factor, shift2, sum, ws.pp);
+  if (j < keys) exp_pair_row<Vecs, false>(st, ld, j, factor, shift2, sum, ws.pp);
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) store(ws.f32.l + v * kLanes, load(ws.f32.l + v * kLanes) + sum[v]);
 }
