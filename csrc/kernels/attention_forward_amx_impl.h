@@ -504,16 +504,14 @@ struct AmxOperands {
 
 // A unit's products, with `between` after every step of four tdpbf16ps.
 template <typename Between>
-NPU_ATTN_VEC_INLINE void issue_scores(const AmxPlan& a, const AmxOperands& op,
-                                      const AmxScratch& ws, const AmxUnit& u, float* st,
-                                      Between& between) {
+NPU_ATTN_VEC_INLINE void issue_scores(const AmxPlan& a, const AmxOperands& op, const AmxScratch& ws,
+                                      const AmxUnit& u, float* st, Between& between) {
   amx_scores(a, op.k + u.k0 * op.k_row, op.k_row, round_up(u.keys, kAmxTileK), ws.sub[u.g].qp, st,
              between);
 }
 template <typename Between>
-NPU_ATTN_VEC_INLINE void issue_values(const AmxPlan& a, const AmxOperands& op,
-                                      const AmxScratch& ws, const AmxUnit& u, const uint32_t* pp,
-                                      Between& between) {
+NPU_ATTN_VEC_INLINE void issue_values(const AmxPlan& a, const AmxOperands& op, const AmxScratch& ws,
+                                      const AmxUnit& u, const uint32_t* pp, Between& between) {
   const uint16_t* vt = op.vt + u.k0 / kAmxTileK * a.dim_v_pad * kAmxTileK;
   for (int64_t c = 0; c < a.dim_v_pad; c += 32)
     amx_values_rows(a, vt, pp, round_up(u.keys, kAmxTileK), c, ws.sub[u.g].f32.ot, between);
@@ -565,7 +563,8 @@ void run_amx_task(const AttentionParams& p, const AmxPlan& a, const AmxOperands&
     if (next.g >= 0) issue_scores(a, op, ws, next, ws.st[buf ^ 1], exp);
     if (prev.g >= 0) issue_values(a, op, ws, prev, ws.pp[buf ^ 1], exp);
     exp.run_to(cur.keys);
-    for (int v = 0; v < 2; ++v) store(s.f32.l + v * kLanes, load(s.f32.l + v * kLanes) + exp.sum[v]);
+    for (int v = 0; v < 2; ++v)
+      store(s.f32.l + v * kLanes, load(s.f32.l + v * kLanes) + exp.sum[v]);
     // Key pairs past `keys` (up to the tile's 32) must add nothing: zero their P^T rows.
     for (int64_t w = (cur.keys + 1) / 2; w < round_up(cur.keys, kAmxTileK) / 2; ++w)
       for (int64_t i = 0; i < kAmxBlockQ; ++i) exp.pp[w * kAmxBlockQ + i] = 0;
@@ -607,8 +606,8 @@ struct AmxFamily {
     op.k = op.vt + a.dim_v_pad * a.len_k_pad;
     op.k_row = a.k_row;
     if (a.k_in_place) {
-      op.k = static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] +
-             task.hkv * p.k_stride[1];
+      op.k =
+          static_cast<const uint16_t*>(p.k) + tile.batch * p.k_stride[0] + task.hkv * p.k_stride[1];
       op.k_row = p.k_stride[2];
     }
     run_amx_task(p, a, op, tile, ws);

@@ -297,9 +297,9 @@ NPU_ATTN_VEC_INLINE void exp_pair_row(const float* st, int64_t ld, int64_t j, Ve
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) {
     const Vec lo = exp2_probability(load(st + j * ld + v * kLanes) * factor - shift2[v]);
-    const Vec hi = HasHi ? exp2_probability(load(st + (j + 1) * ld + v * kLanes) * factor -
-                                            shift2[v])
-                         : splat(0.0f);
+    const Vec hi = HasHi
+                       ? exp2_probability(load(st + (j + 1) * ld + v * kLanes) * factor - shift2[v])
+                       : splat(0.0f);
     sum[v] += HasHi ? lo + hi : lo;
     _mm512_storeu_si512(pp + (j / 2) * ld + v * kLanes, pack_pairs(lo, hi));
   }

@@ -76,6 +76,8 @@ def model_cases() -> list[Case]:
         Case("SD1.5 self 32x32", 2, 8, 1024, 1024, 80),
         Case("SD1.5 cross 32x32", 2, 8, 1024, 77, 80),
         Case("SD1.5 self 16x16", 2, 8, 256, 256, 160),
+        # The UNet's mid-block: the shortest sequence with the largest head dim.
+        Case("SD1.5 self 8x8", 2, 8, 64, 64, 160),
         Case("SD2.1 self 96x96", 2, 5, 9216, 9216, 64),
         Case("SD2.1 cross 96x96", 2, 5, 9216, 77, 64),
         Case("SD2.1 self 48x48", 2, 10, 2304, 2304, 64),
