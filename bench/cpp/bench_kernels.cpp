@@ -1,5 +1,6 @@
-// Micro-benchmarks of the tiled forward kernel, per ISA variant, on diffusion shapes.
-//   build/cpp/bench/cpp/npu_attn_bench_kernels --benchmark_filter=avx512
+// Micro-benchmarks of the tiled forward kernel, per ISA variant and element type, on diffusion
+// shapes, without Python in the way (the per-call cost of short shapes is visible here).
+//   build/cpp/bench/cpp/npu_attn_bench_kernels --benchmark_filter='amx_bf16/bfloat16'
 // Reports GFLOP/s (4 * B * H * Lq * Lk * D flops per forward).
 #include <benchmark/benchmark.h>
 
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "bfloat16.h"
 #include "dispatch.h"
 
 namespace {
@@ -15,6 +17,21 @@ struct Shape {
   int64_t batch, heads, len_q, len_k, head_dim;
 };
 
+// Element types benchmarked: float32 and bfloat16 (what CPU users run).
+template <typename T>
+struct ElementTraits;
+template <>
+struct ElementTraits<float> {
+  static constexpr npu_attn::DType kDType = npu_attn::DType::kFloat32;
+  static float from(float x) { return x; }
+};
+template <>
+struct ElementTraits<uint16_t> {
+  static constexpr npu_attn::DType kDType = npu_attn::DType::kBFloat16;
+  static uint16_t from(float x) { return npu_attn::bfloat16_bits(x); }
+};
+
+template <typename T>
 void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s) {
   if (!npu_attn::isa_supported_by_cpu(isa)) {
     state.SkipWithError("ISA not supported by this CPU");
@@ -23,15 +40,15 @@ void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s) {
   std::mt19937 rng(0);
   std::normal_distribution<float> dist;
   auto make = [&](int64_t len) {
-    std::vector<float> data(s.batch * s.heads * len * s.head_dim);
-    for (auto& x : data) x = dist(rng);
+    std::vector<T> data(s.batch * s.heads * len * s.head_dim);
+    for (auto& x : data) x = ElementTraits<T>::from(dist(rng));
     return data;
   };
-  std::vector<float> q = make(s.len_q), k = make(s.len_k), v = make(s.len_k), out = make(s.len_q);
-  auto view = [&](std::vector<float>& data, int64_t len) {
+  std::vector<T> q = make(s.len_q), k = make(s.len_k), v = make(s.len_k), out = make(s.len_q);
+  auto view = [&](std::vector<T>& data, int64_t len) {
     npu_attn::TensorView t;
     t.data = data.data();
-    t.dtype = npu_attn::DType::kFloat32;
+    t.dtype = ElementTraits<T>::kDType;
     t.shape = {s.batch, s.heads, len, s.head_dim};
     t.strides = {s.heads * len * s.head_dim, len * s.head_dim, s.head_dim, 1};
     return t;
@@ -59,14 +76,22 @@ void register_all() {
       {"b2h8_4096_d64", {2, 8, 4096, 4096, 64}},
       {"sd15_self_1024_d80", {2, 8, 1024, 1024, 80}},
       {"sd15_self_256_d160", {2, 8, 256, 256, 160}},
+      {"sd15_self_64_d160", {2, 8, 64, 64, 160}},
   };
   for (auto isa : npu_attn::runnable_isas()) {
     for (const auto& [name, shape] : shapes) {
-      const std::string label = std::string(npu_attn::isa_name(isa)) + "/" + name;
-      benchmark::RegisterBenchmark(label.c_str(), bench_forward, isa, shape)
+      const std::string label = std::string(npu_attn::isa_name(isa)) + "/";
+      benchmark::RegisterBenchmark((label + "float32/" + name).c_str(), bench_forward<float>, isa,
+                                   shape)
           ->Arg(1)
           ->Arg(2)
-          ->Unit(benchmark::kMillisecond)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+      benchmark::RegisterBenchmark((label + "bfloat16/" + name).c_str(), bench_forward<uint16_t>,
+                                   isa, shape)
+          ->Arg(1)
+          ->Arg(2)
+          ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
     }
   }

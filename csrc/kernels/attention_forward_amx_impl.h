@@ -62,6 +62,11 @@ constexpr int64_t kAmxMaxGroups = 4;
 constexpr int64_t kAmxGroupAboveBytes = int64_t{1} << 20;
 // Fewer groups when grouping would leave fewer than this many tasks per thread.
 constexpr int64_t kAmxTasksPerThread = 4;
+// Query groups for short key ranges too: the pipeline (run_amx_task) hides a unit's
+// exponentials behind the tile products of its neighbours, so a task of one sub-tile and one
+// key block (SD-1.5's 8x8 level: 64 keys; cross-attention: 77) has nothing to overlap. Tasks get
+// at least this many (sub-tile, key block) units where the sub-tiles allow.
+constexpr int64_t kAmxMinUnitsPerTask = 4;
 // Packed K/V of one chunk of (batch, kv-head) pairs: as many pairs as fit in 64 MiB (fewer
 // barriers for short sequences, bounded memory for long ones). Twice the vector kernels'
 // kPackBudgetBytes, as the kernel was written; not tuned separately.
@@ -109,13 +114,20 @@ int64_t amx_scratch_floats(const AmxPlan& a) {
   return a.groups * amx_sub_tile_floats(a) + 2 * kAmxBlockQ * (a.pairs.block_k * 3 / 2);
 }
 
-// Sub-tiles per task: 1 while a pair's K and V^T fit in L2 (each sub-tile rereads them from
-// there), else as many as keep kAmxTasksPerThread tasks per thread.
+// Sub-tiles per task: kAmxMaxGroups when a pair's K and V^T outgrow L2 (each sub-tile would
+// reread them from L3), enough for kAmxMinUnitsPerTask units when there are few key blocks,
+// else 1; then halved while fewer than kAmxTasksPerThread tasks per thread would be left.
 int64_t amx_groups(const AttentionParams& p, const AmxPlan& a, int threads) {
   const int64_t kv_bytes = 2 * a.len_k_pad * (a.dim_pad + a.dim_v_pad);
-  if (kv_bytes <= kAmxGroupAboveBytes) return 1;
+  const int64_t key_blocks = ceil_div(max_i64(p.len_k, 1), a.pairs.block_k);
+  int64_t groups = 1;
+  if (kv_bytes > kAmxGroupAboveBytes) {
+    groups = kAmxMaxGroups;
+  } else {
+    while (groups < kAmxMaxGroups && groups * key_blocks < kAmxMinUnitsPerTask) groups *= 2;
+  }
+  groups = min_i64(groups, ceil_div(max_i64(p.len_q, 1), kAmxBlockQ));  // no empty sub-tiles
   const int64_t heads_rows = p.batch * p.heads_q;
-  int64_t groups = kAmxMaxGroups;
   while (groups > 1 &&
          heads_rows * ceil_div(p.len_q, groups * kAmxBlockQ) < kAmxTasksPerThread * threads)
     groups /= 2;
@@ -296,17 +308,27 @@ NPU_ATTN_VEC_INLINE void amx_scores(const AmxPlan& a, const uint16_t* k, int64_t
 // O^T rows [c, c + 32) (or [c, c + 16) for a last row block of 16 channels) += V^T P^T over
 // `keys32` keys; vt points at the unit's first 32-key chunk of V^T (chunks of dim_v_pad x 32),
 // pp at its first key-pair row. The row block of O^T (ld 32) is loaded into the accumulators
-// once per call.
+// once per call; `first` (the sub-tile's first value product) starts them at zero instead, so
+// O^T is neither cleared nor read before it holds anything (a sixth of a short task's time
+// went to that memset and those loads at L=64, D=160).
 template <typename Between>
 NPU_ATTN_VEC_INLINE void amx_values_rows(const AmxPlan& a, const uint16_t* vt, const uint32_t* pp,
-                                         int64_t keys32, int64_t c, float* ot, Between& between) {
+                                         int64_t keys32, int64_t c, float* ot, bool first,
+                                         Between& between) {
   const int64_t v_stride = 64, chunk = a.dim_v_pad * 32, p_stride = kAmxBlockQ * 4,
                 o_stride = kAmxBlockQ * 4;
   if (c + 32 <= a.dim_v_pad) {  // two channel row blocks at once
-    _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
-    _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
-    _tile_loadd(2, ot + (c + 16) * kAmxBlockQ, o_stride);
-    _tile_loadd(3, ot + (c + 16) * kAmxBlockQ + 16, o_stride);
+    if (first) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    } else {
+      _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
+      _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
+      _tile_loadd(2, ot + (c + 16) * kAmxBlockQ, o_stride);
+      _tile_loadd(3, ot + (c + 16) * kAmxBlockQ + 16, o_stride);
+    }
     for (int64_t j = 0; j < keys32; j += 32) {
       _tile_loadd(4, vt + (j / 32) * chunk + c * 32, v_stride);
       _tile_loadd(5, vt + (j / 32) * chunk + (c + 16) * 32, v_stride);
@@ -324,8 +346,13 @@ NPU_ATTN_VEC_INLINE void amx_values_rows(const AmxPlan& a, const uint16_t* vt, c
     _tile_stored(3, ot + (c + 16) * kAmxBlockQ + 16, o_stride);
     return;
   }
-  _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
-  _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+  } else {
+    _tile_loadd(0, ot + c * kAmxBlockQ, o_stride);
+    _tile_loadd(1, ot + c * kAmxBlockQ + 16, o_stride);
+  }
   for (int64_t j = 0; j < keys32; j += 32) {
     _tile_loadd(4, vt + (j / 32) * chunk + c * 32, v_stride);
     _tile_loadd(6, pp + (j / 2) * kAmxBlockQ, p_stride);
@@ -354,6 +381,7 @@ struct AmxSubTile {
   ThreadScratch f32;     // ot, m, l (what write_output reads); st and qt unused
   float* alpha;          // kAmxBlockQ: the pending O^T rescale
   bool rescale_pending;  // alpha differs from 1 in some lane and is not applied yet
+  bool ot_written;       // O^T holds a value product (until then it is implicitly zero)
   uint32_t* qp;          // dim_pad / 2 x kAmxBlockQ: Q^T pairs (the B operand of the scores)
 };
 
@@ -395,8 +423,8 @@ void start_sub_tile(const AttentionParams& p, const AmxPlan& a, AmxSubTile& s) {
     s.f32.m[i] = kNegInf;
     s.f32.l[i] = 0.0f;
   }
-  for (int64_t i = 0; i < a.dim_v_pad * ld; ++i) s.f32.ot[i] = 0.0f;
   s.rescale_pending = false;
+  s.ot_written = false;  // O^T is not cleared: the first value product starts from zero tiles
 }
 
 // (sub-tile, key block) units in the order they run: key blocks outer, so a block's K and V^T
@@ -453,9 +481,12 @@ NPU_ATTN_VEC_INLINE void softmax_max_deferred(int64_t keys, const float* st, flo
   s.rescale_pending = moved;
 }
 
-// The pending O^T *= alpha of a sub-tile.
+// The pending O^T *= alpha of a sub-tile (nothing to scale before its first value product).
 void apply_pending_rescale(const AttentionParams& p, AmxSubTile& s) {
-  if (!s.rescale_pending) return;
+  if (!s.rescale_pending || !s.ot_written) {
+    s.rescale_pending = false;
+    return;
+  }
   const Vec alpha[2] = {load(s.alpha), load(s.alpha + kLanes)};
   for (int64_t c = 0; c < p.head_dim_v; ++c)
     for (int v = 0; v < 2; ++v) {
@@ -514,11 +545,13 @@ NPU_ATTN_VEC_INLINE void issue_scores(const AmxPlan& a, const AmxOperands& op, c
              between);
 }
 template <typename Between>
-NPU_ATTN_VEC_INLINE void issue_values(const AmxPlan& a, const AmxOperands& op, const AmxScratch& ws,
+NPU_ATTN_VEC_INLINE void issue_values(const AmxPlan& a, const AmxOperands& op, AmxScratch& ws,
                                       const AmxUnit& u, const uint32_t* pp, Between& between) {
   const uint16_t* vt = op.vt + u.k0 / kAmxTileK * a.dim_v_pad * kAmxTileK;
+  AmxSubTile& s = ws.sub[u.g];
   for (int64_t c = 0; c < a.dim_v_pad; c += 32)
-    amx_values_rows(a, vt, pp, round_up(u.keys, kAmxTileK), c, ws.sub[u.g].f32.ot, between);
+    amx_values_rows(a, vt, pp, round_up(u.keys, kAmxTileK), c, s.f32.ot, !s.ot_written, between);
+  s.ot_written = true;
 }
 
 // Steps of four tdpbf16ps in a unit's scores and in its value product.
@@ -547,7 +580,7 @@ void run_amx_task(const AttentionParams& p, const AmxPlan& a, const AmxOperands&
   NothingBetween nothing;
   AmxUnit prev{-1, 0, 0};
   AmxUnit cur = next_unit(a, ws, subs, key_limit, AmxUnit{-1, 0, 0});
-  issue_scores(a, op, ws, cur, ws.st[0], nothing);
+  if (cur.g >= 0) issue_scores(a, op, ws, cur, ws.st[0], nothing);
   int buf = 0;  // cur's S^T and P^T buffers; prev's P^T and next's S^T use the other pair
   while (cur.g >= 0) {
     const AmxUnit next = next_unit(a, ws, subs, key_limit, cur);
@@ -576,11 +609,18 @@ void run_amx_task(const AttentionParams& p, const AmxPlan& a, const AmxOperands&
     cur = next;
     buf ^= 1;
   }
-  apply_pending_rescale(p, ws.sub[prev.g]);
-  issue_values(a, op, ws, prev, ws.pp[buf ^ 1], nothing);
+  if (prev.g >= 0) {  // no unit at all only without keys (len_k == 0)
+    apply_pending_rescale(p, ws.sub[prev.g]);
+    issue_values(a, op, ws, prev, ws.pp[buf ^ 1], nothing);
+  }
   Tiling t{};  // write_output reads only schedule.block_q
   t.schedule.block_q = kAmxBlockQ;
-  for (int64_t g = 0; g < subs; ++g) write_output<BFloat16>(p, ws.sub[g].tile, t, ws.sub[g].f32);
+  for (int64_t g = 0; g < subs; ++g) {
+    AmxSubTile& s = ws.sub[g];
+    if (!s.ot_written)  // no keys: the output is 0 (l == 0), computed from a zero O^T
+      for (int64_t i = 0; i < a.dim_v_pad * kAmxBlockQ; ++i) s.f32.ot[i] = 0.0f;
+    write_output<BFloat16>(p, s.tile, t, s.f32);
+  }
 }
 
 // ---------------------------------------------------------------- family traits

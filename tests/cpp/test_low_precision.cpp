@@ -177,17 +177,44 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   }
 }
 
-// Shapes whose K and V outgrow the AMX kernel's L2 budget (kAmxGroupAboveBytes, 1 MiB), so it
-// runs several 32-query sub-tiles per task over each key block (query groups); with the tests'
-// 2 threads both have enough tasks for groups of 4. Ragged last tasks (fewer sub-tiles), GQA,
-// a per-head additive mask, and causal sub-tiles whose key ranges end in different key blocks
-// (head dim 160: 160-key blocks, tasks of 128 queries). Forward only: the backward has no
-// query groups. Every variant runs them (they are ordinary shapes elsewhere).
+// Shapes on which the AMX kernel runs several 32-query sub-tiles per task over each key block
+// (query groups), with the tests' 2 threads: the first two because K and V outgrow its L2
+// budget (kAmxGroupAboveBytes, 1 MiB; groups of 4), the last three because they have a single
+// key block (kAmxMinUnitsPerTask: SD-1.5's 8x8 level, 64 keys at head dim 160, causal; 77 keys
+// of cross-attention with a key-padding mask and a ragged last sub-tile of 4 queries; a 3-query
+// sub-tile). Ragged last tasks (fewer sub-tiles), GQA, masks, and causal sub-tiles whose key
+// ranges end in different key blocks (head dim 160: 160-key blocks, tasks of 128 queries).
+// Forward only: the backward has no query groups. Every variant runs them (they are ordinary
+// shapes elsewhere).
 std::vector<Case> query_group_shapes() {
-  std::vector<Case> cases = {{1, 4, 4, 260, 520, 512, 512}, {1, 8, 2, 300, 1700, 160, 160}};
+  std::vector<Case> cases = {{1, 4, 4, 260, 520, 512, 512},
+                             {1, 8, 2, 300, 1700, 160, 160},
+                             {2, 8, 8, 64, 64, 160, 160},
+                             {2, 8, 4, 100, 77, 64, 64},
+                             {1, 16, 16, 35, 40, 80, 80}};
   cases[0].mask = MaskCase::kAdditiveHeads;
   cases[1].causal = true;
+  cases[2].causal = true;
+  cases[3].mask = MaskCase::kBoolKeyPadding;
   return cases;
+}
+
+TEST_P(LowPrecision, EmptyKeysGiveZerosInBfloat16) {
+  constexpr DType dtype = DType::kBFloat16;
+  Case c{2, 8, 8, 70, 0, 64, 64};  // enough tasks for query groups of the AMX kernel
+  Problem pr;
+  build(c, pr, 9);
+  HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
+  HalfTensor out = narrow(pr.out, dtype);
+  for (auto& x : out.storage) x = to_bits(NAN, dtype);  // every element must be written
+  SdpaArguments args = pr.args;
+  args.query = q.view(dtype);
+  args.key = k.view(dtype);
+  args.value = v.view(dtype);
+  args.out = out.view(dtype);
+  run_attention_forward(make_attention_params(args), GetParam());
+  for (float x : widen(out, dtype).storage) EXPECT_EQ(x, 0.0f);
+  for (float x : pr.lse.storage) EXPECT_EQ(x, -INFINITY);
 }
 
 TEST_P(LowPrecision, LargeKeyValueShapesMatchTheReferenceInBfloat16) {
