@@ -10,6 +10,7 @@
 //     for each chunk of (batch, kv-head) pairs:
 //       omp for static:  Family::pack(pair, key tile)            pack K/V of the chunk's pairs
 //       omp for dynamic: Family::run(task) for every (pair, q-head of its GQA group, query tile)
+//     (where a pair has one task, that task packs it instead: no phase 1)
 //     Family::leave_thread(ws)                       (AMX: tiles released)
 //
 // A family (TiledFamily<T> in attention_forward_impl.h, Bf16PairFamily in
@@ -125,6 +126,11 @@ void run_forward(const AttentionParams& p) {
   float* packed = packed_buffer.data();
   float* scratch = scratch_buffer.data();
 
+  // A pair that only one task reads (no GQA group, one query tile: short sequences) is packed by
+  // that task: no barrier between the phases, and the packed rows are in the core's own cache
+  // when the task reads them instead of in whichever core packed them.
+  const bool pack_in_task = group * q_tiles == 1;
+
 #pragma omp parallel num_threads(threads)
   {
     typename Family::Scratch ws =
@@ -132,16 +138,22 @@ void run_forward(const AttentionParams& p) {
     for (int64_t first = 0; first < pairs; first += s.pairs_per_chunk) {
       const int64_t chunk_pairs = min_i64(s.pairs_per_chunk, pairs - first);
       // Phase 1: pack the K and V rows of the chunk's pairs, one (pair, key tile) per item.
+      if (!pack_in_task) {
 #pragma omp for schedule(static)
-      for (int64_t item = 0; item < chunk_pairs * s.pack_tiles; ++item) {
-        const int64_t local = item / s.pack_tiles;
-        Family::pack(p, plan, first + local, item % s.pack_tiles, packed + local * s.pair_floats);
+        for (int64_t item = 0; item < chunk_pairs * s.pack_tiles; ++item) {
+          const int64_t local = item / s.pack_tiles;
+          Family::pack(p, plan, first + local, item % s.pack_tiles, packed + local * s.pair_floats);
+        }
       }
       // Phase 2: every (pair, q-head of its group, query tile) is an independent task.
 #pragma omp for schedule(dynamic, 1)
       for (int64_t index = 0; index < chunk_pairs * group * q_tiles; ++index) {
         const QueryTask task = query_task(p, first, index, q_tiles, s.block_q);
-        Family::run(p, plan, task, packed + task.local * s.pair_floats, ws);
+        float* pair_pack = packed + task.local * s.pair_floats;
+        if (pack_in_task)
+          for (int64_t tile = 0; tile < s.pack_tiles; ++tile)
+            Family::pack(p, plan, first + task.local, tile, pair_pack);
+        Family::run(p, plan, task, pair_pack, ws);
       }
     }
     Family::leave_thread(ws);
