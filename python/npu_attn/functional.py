@@ -37,6 +37,14 @@ def _is_torch_tensor(x: object) -> bool:
 
 
 def _check_common(dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool):
+    if (
+        scale is None
+        and dropout_p == 0.0
+        and type(dropout_p) in (float, int)
+        and type(is_causal) is bool
+        and type(enable_gqa) is bool
+    ):
+        return  # the usual arguments, accepted without the checks below (a few us per call)
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if dropout_p != 0.0:
@@ -318,8 +326,84 @@ def _default_backend() -> Optional[str]:
     return _config.explicit_default()
 
 
+_KERNEL_DTYPES: tuple = ()  # float32, bfloat16, float16 once torch is imported
+
+
+def _tiled_is_chosen(registry, backend: Optional[str]) -> bool:
+    """Whether backend selection would pick the tiled backend for a CPU float call: requested,
+    the default set with ``set_attention_strategy(None, ...)``, or first in priority order."""
+    if backend is not None:
+        return backend == "tiled"
+    default = _default_backend()
+    if default is not None and default in registry.BY_NAME:
+        return default == "tiled"
+    return bool(registry.BACKENDS) and registry.BACKENDS[0].name == "tiled"
+
+
+def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, return_lse, backend):
+    """The common call in a few attribute reads, or None where it does not apply.
+
+    Plain 4-D CPU tensors of one kernel dtype with consistent, non-empty shapes, no mask,
+    outside autograd, autocast, torch.func transforms and compilation, for the tiled backend:
+    then the general path below would run ``ops.forward_cpu`` on the tensors as given, and so
+    does this, without building the broadcast plan, the call object and the backend choice.
+    That is ~15 us of Python per call, which short calls notice (SD-1.5's 8x8 level computes
+    in ~70 us). The output layout rule is the general path's (``_keeps_query_layout``)."""
+    global _KERNEL_DTYPES
+    if not _KERNEL_DTYPES:
+        _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    tensor = torch.Tensor
+    if type(key) is not tensor or type(value) is not tensor or type(query) is not tensor:
+        return None
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    dtype = query.dtype
+    if dtype not in _KERNEL_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
+        return None
+    strided = torch.strided  # not sparse (COO or compressed) nor nested
+    if query.layout is not strided or key.layout is not strided or value.layout is not strided:
+        return None
+    if query.is_nested or key.is_nested or value.is_nested:
+        return None
+    (b, hq, lq, d), (bk, hk, lk, dk), (bv, hv, lv, dv) = query.shape, key.shape, value.shape
+    if not (b == bk == bv and hk == hv and lk == lv and d == dk):
+        return None
+    if 0 in (b, hq, lq, d, hk, lk, dv) or not (hq == hk or (enable_gqa and hq % hk == 0)):
+        return None
+    grads = query.requires_grad or key.requires_grad or value.requires_grad
+    if grads and torch.is_grad_enabled():
+        return None
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return None
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
+    if torch.autograd.forward_ad._current_level >= 0:
+        return None
+    from . import ops
+    from ._backends import registry
+
+    if not _tiled_is_chosen(registry, backend):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    out, lse = ops.forward_cpu(
+        query, key, value, None, bool(is_causal), float(scale), bool(enable_gqa)
+    )
+    if not _keeps_query_layout(torch, query, key, value, None, enable_gqa):
+        out = out.contiguous()
+    return (out, lse) if return_lse else out
+
+
 def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend):
     torch = _torch()
+    if attn_mask is None:
+        fast = _fast_cpu_call(
+            torch, query, key, value, is_causal, scale, enable_gqa, return_lse, backend
+        )
+        if fast is not None:
+            return fast
     from ._backends import registry
     from ._backends.base import AttentionCall
 

@@ -316,11 +316,15 @@ def test_forced_kernel_backend_under_a_transform_is_a_clear_error():
         torch.func.vmap(lambda x: sdpa(x, x, x, backend="tiled"))(q)
 
 
-@pytest.mark.parametrize("position", ["query", "key", "attn_mask"])
-def test_sparse_tensors_are_refused_naming_the_argument(position):
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+@pytest.mark.parametrize("position", ["query", "key", "value", "attn_mask"])
+def test_sparse_tensors_are_refused_naming_the_argument(position, kind):
     q, k, v = randn(1, 2, 5, 8), randn(1, 2, 6, 8), randn(1, 2, 6, 8)
     args = {"query": q, "key": k, "value": v, "attn_mask": torch.rand(5, 6) > 0.5}
-    args[position] = args[position].to_sparse()
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore")
+        sparse = args[position].to_sparse() if kind == "coo" else args[position].to_sparse_csr()
+    args[position] = sparse
     with pytest.raises(TypeError, match=f"does not support sparse tensors: {position} has layout"):
         sdpa(**args)
 
@@ -358,3 +362,116 @@ def test_user_tensors_are_not_modified_by_broadcasting_and_casts():
     sdpa(q[None], k[None], v[None], mask.float(), is_causal=True)
     for original, copy in zip((*args, mask), copies):
         assert torch.equal(original, copy)
+
+
+# --------------------------------------------------------------------------- 8. the fast path
+# Common calls (plain 4-D CPU tensors, no mask, no autograd/autocast/transform, tiled chosen)
+# skip the broadcast plan and backend selection (_fast_cpu_call). It must return exactly what the
+# general path returns, and step aside everywhere else.
+@pytest.fixture
+def fast_path_spy(monkeypatch):
+    """Counts the calls the fast path served; ``general()`` turns it off."""
+    from npu_attn import functional
+
+    real = functional._fast_cpu_call
+    served = []
+
+    def spy(*args):
+        result = real(*args)
+        served.append(result is not None)
+        return result
+
+    monkeypatch.setattr(functional, "_fast_cpu_call", spy)
+
+    class Spy:
+        def served(self) -> list:
+            return served
+
+        def general(self):
+            monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+
+    return Spy()
+
+
+def _fast_path_inputs(layout: str, dtype: torch.dtype, heads_kv: int):
+    g = torch.Generator().manual_seed(3)
+    if layout == "bhld":
+        q = torch.randn(2, 4, 37, 40, generator=g).to(dtype)
+        k, v = (torch.randn(2, heads_kv, 29, 40, generator=g).to(dtype) for _ in range(2))
+    elif layout == "blhd":  # diffusers' projections viewed as heads: (B, L, H, D) storage
+        q = torch.randn(2, 37, 4, 40, generator=g).to(dtype).transpose(1, 2)
+        k, v = (
+            torch.randn(2, 29, heads_kv, 40, generator=g).to(dtype).transpose(1, 2)
+            for _ in range(2)
+        )
+    else:  # every last dim strided
+        q = torch.randn(2, 4, 37, 80, generator=g).to(dtype)[..., ::2]
+        k, v = (torch.randn(2, heads_kv, 29, 80, generator=g).to(dtype)[..., ::2] for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["bhld", "blhd", "strided"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"is_causal": True}, {"scale": 0.3}, {"enable_gqa": True}, {"return_lse": True}],
+    ids=["plain", "causal", "scale", "gqa", "lse"],
+)
+def test_common_calls_take_the_fast_path_and_equal_the_general_path(
+    fast_path_spy, dtype, layout, kwargs
+):
+    q, k, v = _fast_path_inputs(layout, dtype, 2 if kwargs.get("enable_gqa") else 4)
+    npu_attn.reset_call_counts()
+    fast = sdpa(q, k, v, **kwargs)
+    assert fast_path_spy.served() == [True]
+    fast_path_spy.general()
+    general = sdpa(q, k, v, **kwargs)
+    assert npu_attn.call_counts().get("tiled") == 2  # both ran the tiled kernel
+    fast, general = (x if isinstance(x, tuple) else (x,) for x in (fast, general))
+    for a, b in zip(fast, general):
+        assert torch.equal(a, b) and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _under_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["grad", "mask", "float64", "backend_sdpa", "default_sdpa", "autocast", "three_dims", "empty"],
+)
+def test_fast_path_steps_aside_where_the_general_path_decides(fast_path_spy, case):
+    q, k, v = _fast_path_inputs("bhld", torch.float32, 4)
+    kwargs, context = {}, contextlib.nullcontext()
+    if case == "grad":
+        q.requires_grad_(True)
+    elif case == "mask":
+        kwargs["attn_mask"] = torch.ones(37, 29, dtype=torch.bool)
+    elif case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif case == "backend_sdpa":
+        kwargs["backend"] = "sdpa"
+    elif case == "default_sdpa":
+        npu_attn.set_attention_strategy(None, "sdpa")
+    elif case == "autocast":
+        context = _under_autocast()
+    elif case == "three_dims":
+        q, k, v = q[0], k[0], v[0]
+    else:
+        q = q[:, :, :0]
+    npu_attn.reset_call_counts()
+    try:
+        with context:
+            out = sdpa(q, k, v, **kwargs)
+    finally:
+        npu_attn.reset_attention_strategy(None)
+    assert not any(fast_path_spy.served())
+    mask = {"attn_mask": kwargs["attn_mask"]} if "attn_mask" in kwargs else {}
+    ref = F.scaled_dot_product_attention(q.detach().double(), k.double(), v.double(), **mask)
+    assert max_err(out.detach().double(), ref) <= (1e-2 if case == "autocast" else 1e-5)
+    if case == "grad":
+        assert out.grad_fn is not None  # the registered op, so autograd has the backward
+    if case in ("backend_sdpa", "default_sdpa"):
+        assert npu_attn.call_counts().get("sdpa") == 1
+    if case == "autocast":
+        assert out.dtype == torch.bfloat16
