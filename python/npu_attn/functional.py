@@ -389,7 +389,7 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     out, lse = ops.forward_cpu(
-        query, key, value, None, bool(is_causal), float(scale), bool(enable_gqa)
+        query, key, value, None, bool(is_causal), float(scale), bool(enable_gqa), return_lse
     )
     if not _keeps_query_layout(torch, query, key, value, None, enable_gqa):
         out = out.contiguous()

@@ -67,13 +67,14 @@ def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
     return query.new_empty((b, hq, lq, head_dim_v))
 
 
-def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa, with_lse=True):
     """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
-    written in place by the kernel, which computes in float32 (lse is always float32)."""
+    written in place by the kernel, which computes in float32 (lse is always float32).
+    ``with_lse=False`` (callers that drop it) gives (out, None)."""
     attn_mask = _kernel_mask(attn_mask)
     b, hq, lq, _ = query.shape
     out = _empty_output(query, value.shape[-1])
-    lse = torch.empty((b, hq, lq), dtype=torch.float32)
+    lse = torch.empty((b, hq, lq), dtype=torch.float32) if with_lse else None
     # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
     # Python per tensor). Inputs are detached: DLPack refuses tensors that require grad, and
     # the kernel only reads them.
@@ -85,7 +86,7 @@ def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         to_dlpack(value.detach()),
         to_dlpack(out),
         attn_mask=None if attn_mask is None else to_dlpack(attn_mask.detach()),
-        lse=to_dlpack(lse),
+        lse=None if lse is None else to_dlpack(lse),
         scale=scale,
         is_causal=is_causal,
         enable_gqa=enable_gqa,
