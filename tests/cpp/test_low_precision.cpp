@@ -177,6 +177,21 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   }
 }
 
+// The kernel's forward of `isa` on pr's inputs narrowed to `dtype` (log-sum-exp into pr.lse).
+// The 16-bit output starts as NaN, so an element the kernel does not write shows.
+HalfTensor narrowed_forward(Problem& pr, DType dtype, Isa isa) {
+  HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
+  HalfTensor out = narrow(pr.out, dtype);
+  for (auto& x : out.storage) x = to_bits(NAN, dtype);
+  SdpaArguments args = pr.args;
+  args.query = q.view(dtype);
+  args.key = k.view(dtype);
+  args.value = v.view(dtype);
+  args.out = out.view(dtype);
+  run_attention_forward(make_attention_params(args), isa);
+  return out;
+}
+
 // Shapes on which the AMX kernel runs several 32-query sub-tiles per task over each key block
 // (query groups), with the tests' 2 threads: the first two because K and V outgrow its L2
 // budget (kAmxGroupAboveBytes, 1 MiB; groups of 4), the last three because they have a single
@@ -204,15 +219,7 @@ TEST_P(LowPrecision, EmptyKeysGiveZerosInBfloat16) {
   Case c{2, 8, 8, 70, 0, 64, 64};  // enough tasks for query groups of the AMX kernel
   Problem pr;
   build(c, pr, 9);
-  HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
-  HalfTensor out = narrow(pr.out, dtype);
-  for (auto& x : out.storage) x = to_bits(NAN, dtype);  // every element must be written
-  SdpaArguments args = pr.args;
-  args.query = q.view(dtype);
-  args.key = k.view(dtype);
-  args.value = v.view(dtype);
-  args.out = out.view(dtype);
-  run_attention_forward(make_attention_params(args), GetParam());
+  const HalfTensor out = narrowed_forward(pr, dtype, GetParam());
   for (float x : widen(out, dtype).storage) EXPECT_EQ(x, 0.0f);
   for (float x : pr.lse.storage) EXPECT_EQ(x, -INFINITY);
 }
@@ -243,15 +250,7 @@ TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
     } else {  // one NaN key: every output NaN, like the reference
       pr.k.at({0, 1, 7, 3}) = NAN;
     }
-    HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
-    HalfTensor out = narrow(pr.out, dtype);
-    SdpaArguments args = pr.args;
-    args.query = q.view(dtype);
-    args.key = k.view(dtype);
-    args.value = v.view(dtype);
-    args.out = out.view(dtype);
-    run_attention_forward(make_attention_params(args), GetParam());
-    const FloatTensor got = widen(out, dtype);
+    const FloatTensor got = widen(narrowed_forward(pr, dtype, GetParam()), dtype);
     for (int64_t h = 0; h < c.heads_q; ++h) {
       for (int64_t i = 0; i < c.len_q; ++i) {
         const float first = got.storage[got.offset({0, h, i, 0})];
