@@ -326,39 +326,20 @@ def _default_backend() -> Optional[str]:
     return _config.explicit_default()
 
 
-_KERNEL_DTYPES: tuple = ()  # float32, bfloat16, float16 once torch is imported
-
-
-def _tiled_is_chosen(registry, backend: Optional[str]) -> bool:
-    """Whether backend selection would pick the tiled backend for a CPU float call: requested,
-    the default set with ``set_attention_strategy(None, ...)``, or first in priority order."""
-    if backend is not None:
-        return backend == "tiled"
-    default = _default_backend()
-    if default is not None and default in registry.BY_NAME:
-        return default == "tiled"
-    return bool(registry.BACKENDS) and registry.BACKENDS[0].name == "tiled"
-
-
 def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, return_lse, backend):
     """The common call in a few attribute reads, or None where it does not apply.
 
-    Plain 4-D CPU tensors of one kernel dtype with consistent, non-empty shapes, no mask,
-    outside autograd, autocast, torch.func transforms and compilation, for the tiled backend:
-    then the general path below would run ``ops.forward_cpu`` on the tensors as given, and so
-    does this, without building the broadcast plan, the call object and the backend choice.
-    That is ~15 us of Python per call, which short calls notice (SD-1.5's 8x8 level computes
-    in ~70 us). The output layout rule is the general path's (``_keeps_query_layout``)."""
-    global _KERNEL_DTYPES
-    if not _KERNEL_DTYPES:
-        _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    Plain 4-D CPU tensors of one dtype the tiled backend declares, with consistent, non-empty
+    shapes, no mask, outside autograd, autocast, torch.func transforms and compilation, when
+    backend selection picks the tiled backend: then the general path below would run
+    ``ops.forward_cpu`` on the tensors as given, and so does this, without building the
+    broadcast plan, the call object and the backend choice. That is ~15 us of Python per call,
+    which short calls notice (SD-1.5's 8x8 level computes in ~70 us). The output layout rule
+    is the general path's (``_keeps_query_layout``)."""
     tensor = torch.Tensor
     if type(key) is not tensor or type(value) is not tensor or type(query) is not tensor:
         return None
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return None
-    dtype = query.dtype
-    if dtype not in _KERNEL_DTYPES or key.dtype is not dtype or value.dtype is not dtype:
         return None
     if not (query.is_cpu and key.is_cpu and value.is_cpu):
         return None
@@ -384,7 +365,11 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     from . import ops
     from ._backends import registry
 
-    if not _tiled_is_chosen(registry, backend):
+    chosen = registry.chosen_without_checks(backend, _default_backend())
+    if chosen is None or chosen.name != "tiled":
+        return None
+    dtype = query.dtype
+    if dtype not in chosen.dtypes or key.dtype is not dtype or value.dtype is not dtype:
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(d)

@@ -475,3 +475,19 @@ def test_fast_path_steps_aside_where_the_general_path_decides(fast_path_spy, cas
         assert npu_attn.call_counts().get("sdpa") == 1
     if case == "autocast":
         assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("how", ["backend", "default"])
+def test_tiled_asked_for_by_name_takes_the_fast_path(fast_path_spy, how):
+    q, k, v = _fast_path_inputs("blhd", torch.bfloat16, 4)
+    try:
+        if how == "default":
+            npu_attn.set_attention_strategy(None, "tiled")
+            out = sdpa(q, k, v)
+        else:
+            out = sdpa(q, k, v, backend="tiled")
+    finally:
+        npu_attn.reset_attention_strategy(None)
+    assert fast_path_spy.served() == [True]
+    fast_path_spy.general()
+    assert torch.equal(out, sdpa(q, k, v, backend="tiled"))

@@ -75,6 +75,19 @@ def select(call: AttentionCall, backend: Optional[str], preferred: Optional[str]
     raise TypeError(f"no attention backend can run this call ({detail})")
 
 
+def chosen_without_checks(backend: Optional[str], preferred: Optional[str]) -> Optional[Backend]:
+    """What :func:`select` returns for a call that this backend can run, decided without the
+    call (the public function's fast path asks, then checks the call against the backend's own
+    declaration): the required backend, else a registered preferred one, else the first in
+    priority order. The same rule as ``select``; where ``select`` would also fall back past
+    a preferred backend that refuses, the fast path simply does not apply."""
+    if backend is not None:
+        return BY_NAME.get(backend)
+    if preferred in BY_NAME:
+        return BY_NAME[preferred]
+    return BACKENDS[0] if BACKENDS else None
+
+
 def backends() -> list[dict]:
     """Every backend with what it supports and whether it is available here."""
     return [b.describe() for b in BACKENDS]
