@@ -3,9 +3,9 @@ make anything slower?
 
 Loads two compiled ``_C`` extension modules (e.g. this tree's and one built from an older
 commit with ``git worktree add /tmp/old <commit>`` and a plain CMake build), runs the same
-forward (or forward+backward) call on the same inputs through each, interleaved A, B, A, B...,
-with the same kernel variant and thread count, and prints the median times and B/A ratios per
-model shape and dtype, with the CPU it ran on.
+forward (or, with ``--backward``, backward) call on the same inputs through each, interleaved
+A, B, A, B..., with the same kernel variant and thread count (or ``--isa-a`` for A), and prints
+the median times and B/A ratios per model shape and dtype, with the CPU it ran on.
 
     python bench/ab_builds.py --a /tmp/old/b/python/npu_attn/_C*.so \\
         --b python/npu_attn/_C*.so --threads 2 --dtypes float32 bfloat16 float16
@@ -45,22 +45,36 @@ def load_extension(path: str, alias: str):
     return module
 
 
-def make_runner(ext, q, k, v, isa: str, threads: int):
+def make_runner(ext, q, k, v, isa: str, threads: int, backward: bool = False):
+    """A call of build ``ext`` on (q, k, v), and a function giving what it wrote as float32:
+    the forward's output, or with ``backward`` the backward alone (from this build's own
+    forward, run once here) and its dQ, dK and dV concatenated."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
+    dlpack = torch.utils.dlpack.to_dlpack
 
-    def run() -> None:
+    def forward() -> None:
         ext.forward(
-            torch.utils.dlpack.to_dlpack(q),
-            torch.utils.dlpack.to_dlpack(k),
-            torch.utils.dlpack.to_dlpack(v),
-            torch.utils.dlpack.to_dlpack(out),
-            lse=torch.utils.dlpack.to_dlpack(lse),
+            *(dlpack(t) for t in (q, k, v, out)),
+            lse=dlpack(lse),
             num_threads=threads,
             isa=isa,
         )
 
-    return run, out
+    if not backward:
+        return forward, out.float
+    forward()
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+
+    def run_backward() -> None:
+        ext.backward(
+            *(dlpack(t) for t in (q, k, v, out, lse, grad_out, *grads)),
+            num_threads=threads,
+            isa=isa,
+        )
+
+    return run_backward, lambda: torch.cat([g.float().flatten() for g in grads])
 
 
 def time_once(fn) -> float:
@@ -70,22 +84,23 @@ def time_once(fn) -> float:
 
 
 def ab_case(
-    case, dtype, builds, isa: str, threads: int, repeats: int
+    case, dtype, builds, isas: list[str], threads: int, repeats: int, backward: bool = False
 ) -> tuple[float, float, float]:
-    """Median seconds of build A and B on one case, and the max |A - B| of their outputs."""
+    """Median seconds of build A and B (variants ``isas``) on one case, and the max |A - B| of
+    their outputs."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(case.batch, case.heads, n, case.head_dim, generator=gen).to(dtype)
         for n in (case.len_q, case.len_k, case.len_k)
     )
-    runners = [make_runner(ext, q, k, v, isa, threads) for ext in builds]
+    runners = [make_runner(ext, q, k, v, isa, threads, backward) for ext, isa in zip(builds, isas)]
     for run, _ in runners:  # warm-up: workspaces, page faults, AMX state
         run()
     times = [[], []]
     for _ in range(repeats):
         for i, (run, _) in enumerate(runners):
             times[i].append(time_once(run))
-    diff = (runners[0][1].float() - runners[1][1].float()).abs().max().item()
+    diff = (runners[0][1]() - runners[1][1]()).abs().max().item()
     return statistics.median(times[0]), statistics.median(times[1]), diff
 
 
@@ -115,22 +130,40 @@ def main(argv=None) -> int:
         help="variant per dtype (default: each build's active variant for the dtype), "
         "e.g. --isa bfloat16=amx_bf16",
     )
+    parser.add_argument(
+        "--isa-a",
+        action="append",
+        default=[],
+        metavar="DTYPE=VARIANT",
+        help="a different variant for build A only (to compare two variants of one build, pass "
+        "a copy of its .so as --a: one path cannot be loaded twice)",
+    )
+    parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="time the backward call alone (each build's gradients from its own forward)",
+    )
     args = parser.parse_args(argv)
     builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
     pinned = dict(item.split("=", 1) for item in args.isa)
+    pinned_a = dict(item.split("=", 1) for item in args.isa_a)
     info = {"cpu": cpu_model()}
-    print(f"# A/B: {args.a} vs {args.b}")
+    print(f"# A/B ({'backward' if args.backward else 'forward'}): {args.a} vs {args.b}")
     print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
-    print("| shape | dtype | variant | A ms | B ms | B/A | max abs diff |")
+    print("| shape | dtype | variant (A / B) | A ms | B ms | B/A | max abs diff |")
     print("|---|---|---|---:|---:|---:|---:|")
     ratios: dict[str, list[float]] = {}
     for dtype_name in args.dtypes:
-        isa = pinned.get(dtype_name) or builds[1].active_isa(dtype_name)
+        isa_b = pinned.get(dtype_name) or builds[1].active_isa(dtype_name)
+        isas = [pinned_a.get(dtype_name, isa_b), isa_b]
         for case in selected_cases(args.filter):
-            a, b, diff = ab_case(case, DTYPES[dtype_name], builds, isa, args.threads, args.repeats)
+            a, b, diff = ab_case(
+                case, DTYPES[dtype_name], builds, isas, args.threads, args.repeats, args.backward
+            )
             ratios.setdefault(dtype_name, []).append(b / a)
+            variant = isa_b if isas[0] == isa_b else f"{isas[0]} / {isa_b}"
             print(
-                f"| {case.name} | {dtype_name} | {isa} | {a * 1e3:.1f} | {b * 1e3:.1f} "
+                f"| {case.name} | {dtype_name} | {variant} | {a * 1e3:.1f} | {b * 1e3:.1f} "
                 f"| {b / a:.3f} | {diff:.2g} |",
                 flush=True,
             )

@@ -29,8 +29,10 @@
 //         dV += P^T dO;  dK += dS^T (scale Q);  dQ_private += dS K
 //       write dK, dV rows
 //   dQ = scale * dQ_private (summed over splits)
-// Every product is the broadcast_fma kernel of vec_impl.h: packed operands are padded with
-// zeros to whole vectors, so head dims like 40, 59 or 72 need no tail code in the products.
+// The packing and the products of one tile are a tile kernel (run_backward<T, Kernel>): here
+// FloatTileBackward, every product on the broadcast_fma kernel of vec_impl.h (packed operands are
+// padded with zeros to whole vectors, so head dims like 40, 59 or 72 need no tail code); for
+// bfloat16 on AVX512-BF16, PairTileBackward in attention_backward_bf16_impl.h (vdpbf16ps).
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including attention_backward_impl.h"
 #endif
@@ -266,11 +268,41 @@ void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, flo
   }
 }
 
+// The float32 tile kernel: every product on broadcast_fma (bfloat16 and float16 inputs are
+// widened when packed). attention_backward_bf16_impl.h has a second one on vdpbf16ps; both run
+// in run_backward's items through this interface.
+struct FloatTileBackward {
+  typedef BackwardScratch Scratch;
+  static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
+    return backward_scratch_floats(bp, plan);
+  }
+  static Scratch carve(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* base) {
+    return carve_backward_scratch(bp, plan, base);
+  }
+  // Packs key tile t.k0 of K and V (pointing at the pair's (batch, kv-head)).
+  template <typename T>
+  static void pack_keys(const AttentionBackwardParams& bp, const BackwardPlan& plan,
+                        const TileCoords& t, const T* k, const T* v, Scratch& s) {
+    const AttentionParams& p = bp.fwd;
+    pack_transposed(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, s.kt);
+    pack_transposed(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, s.vt);
+    pack_padded_rows(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, 1.0f, plan.dim_pad,
+                     s.k_rows);
+  }
+  template <typename T>
+  static void tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, const TileCoords& t,
+                   const float* delta, Scratch& s, float* dq_rows) {
+    backward_tile<T>(bp, plan, t, delta, s, dq_rows);
+  }
+  // The factor dK is written with: 1, as the packed queries already carry the scale.
+  static float dk_factor(const AttentionParams&) { return 1.0f; }
+};
+
 // One work item: key tiles [tile_begin, tile_end) of one (batch, kv-head) pair.
-template <typename T>
+template <typename T, typename Kernel>
 void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
-                   int64_t tile_begin, int64_t tile_end, const float* delta, BackwardScratch& s,
-                   float* dq_private) {
+                   int64_t tile_begin, int64_t tile_end, const float* delta,
+                   typename Kernel::Scratch& s, float* dq_private) {
   const AttentionParams& p = bp.fwd;
   TileCoords t{};
   t.batch = pair / p.heads_kv;
@@ -282,10 +314,7 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
     t.k0 = tile * kBwdBlockK;
     t.keys = min_i64(kBwdBlockK, p.len_k - t.k0);
     t.key_vecs = ceil_div(t.keys, kLanes);
-    pack_transposed(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, s.kt);
-    pack_transposed(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, s.vt);
-    pack_padded_rows(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, 1.0f, plan.dim_pad,
-                     s.k_rows);
+    Kernel::template pack_keys<T>(bp, plan, t, k, v, s);
     fill_zero(s.dk, kBwdBlockK * plan.dim_pad);
     fill_zero(s.dv, kBwdBlockK * plan.dim_v_pad);
     // Causal: queries before k0 see none of these keys.
@@ -295,11 +324,11 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
       for (t.q0 = first_q; t.q0 < p.len_q; t.q0 += kBwdBlockQ) {
         t.rows = min_i64(kBwdBlockQ, p.len_q - t.q0);
         float* dq_rows = dq_private + (g * p.len_q + t.q0) * plan.dim_pad;
-        backward_tile<T>(bp, plan, t, delta, s, dq_rows);
+        Kernel::template tile<T>(bp, plan, t, delta, s, dq_rows);
       }
     }
     write_rows(
-        s.dk, plan.dim_pad, t.keys, p.head_dim, 1.0f,
+        s.dk, plan.dim_pad, t.keys, p.head_dim, Kernel::dk_factor(p),
         static_cast<T*>(bp.grad_k) + t.batch * bp.grad_k_stride[0] + t.hkv * bp.grad_k_stride[1],
         bp.grad_k_stride[2], bp.grad_k_stride[3], t.k0);
     write_rows(
@@ -333,12 +362,14 @@ void write_grad_q(const AttentionBackwardParams& bp, const BackwardPlan& plan, i
   }
 }
 
-template <typename T>
-void attention_backward_typed(const AttentionBackwardParams& bp) {
+// The backward of T tensors with the tile kernel `Kernel` (FloatTileBackward or a kernel with
+// its interface): plan, Delta, the parallel items, and dQ.
+template <typename T, typename Kernel>
+void run_backward(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   if (p.batch == 0 || p.heads_q == 0) return;
   const BackwardPlan plan = plan_backward(bp);
-  const int64_t per_thread = round_up(backward_scratch_floats(bp, plan), 16);
+  const int64_t per_thread = round_up(Kernel::scratch_floats(bp, plan), 16);
   // Private dQ: one per thread when each pair is one item, else one per item (summed later).
   const int64_t dq_buffers = plan.splits == 1 ? plan.threads : plan.items;
   const int64_t delta_floats = p.batch * p.heads_q * p.len_q;
@@ -352,7 +383,7 @@ void attention_backward_typed(const AttentionBackwardParams& bp) {
 #pragma omp parallel num_threads(plan.threads)
   {
     const int thread = omp_get_thread_num();
-    BackwardScratch s = carve_backward_scratch(bp, plan, base + per_thread * thread);
+    typename Kernel::Scratch s = Kernel::carve(bp, plan, base + per_thread * thread);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) compute_delta_row<T>(bp, bh, delta);
 
@@ -362,7 +393,7 @@ void attention_backward_typed(const AttentionBackwardParams& bp) {
       const int64_t begin = plan.key_tiles * split / plan.splits;
       const int64_t end = plan.key_tiles * (split + 1) / plan.splits;
       float* dq = dq_all + (plan.splits == 1 ? thread : item) * plan.dq_floats;
-      backward_item<T>(bp, plan, pair, begin, end, delta, s, dq);
+      backward_item<T, Kernel>(bp, plan, pair, begin, end, delta, s, dq);
       if (plan.splits == 1) write_grad_q<T>(bp, plan, pair, dq);
     }
 
@@ -377,11 +408,11 @@ void attention_backward_typed(const AttentionBackwardParams& bp) {
 void attention_backward_tiled(const AttentionBackwardParams& bp) {
   switch (bp.fwd.element) {
     case ElementType::kFloat32:
-      return attention_backward_typed<float>(bp);
+      return run_backward<float, FloatTileBackward>(bp);
     case ElementType::kBFloat16:
-      return attention_backward_typed<BFloat16>(bp);
+      return run_backward<BFloat16, FloatTileBackward>(bp);
     case ElementType::kFloat16:
-      return attention_backward_typed<_Float16>(bp);
+      return run_backward<_Float16, FloatTileBackward>(bp);
   }
 }
 

@@ -464,7 +464,7 @@ struct TiledFamily {
   }
 };
 
-void attention_forward_tiled(const AttentionParams& p) {
+inline void attention_forward_tiled(const AttentionParams& p) {
   switch (p.element) {
     case ElementType::kFloat32:
       return run_forward<TiledFamily<float>>(p);
