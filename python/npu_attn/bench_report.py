@@ -139,6 +139,9 @@ def markdown(report: dict) -> str:
             f"{_fmt_mem(mem.get('tiled'))} |"
         )
     s = report["summary"]
+    if math.isnan(s["geomean_speedup_models"]):  # e.g. --filter target: no model shape ran
+        lines += ["", "No named model shape in this run, so no geometric mean over them."]
+        return "\n".join(lines)
     lines += [
         "",
         f"Geometric-mean speed-up of npu_attn tiled over torch SDPA on the named model shapes: "
