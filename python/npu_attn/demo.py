@@ -802,7 +802,7 @@ def run(args) -> int:
     print(
         f"npu_attn demo: {source}; {args.size}x{args.size}, {args.steps} steps, batch 2 (CFG); "
         f"device {dm.device}, dtype {dtype}, {threads} threads, "
-        f"kernel {_runtime.active_isa()}"
+        f"kernel {_runtime.active_isa(dtype)}"
     )
 
     args.out.mkdir(parents=True, exist_ok=True)
