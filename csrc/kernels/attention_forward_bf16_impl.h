@@ -158,35 +158,100 @@ inline PairPlan plan_pairs(const AttentionParams& p, int threads) {
   return plan;
 }
 
+// ---------------------------------------------------------------- packing
+// The bfloat16 row packers of the pair layouts (also used by attention_backward_bf16_impl.h).
+inline int64_t words_of(int64_t dim) {
+  return (dim + 1) / 2;
+}
+
+// Element (r, c) of a strided bfloat16 matrix as raw bits.
+inline uint32_t bits_at(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t r,
+                        int64_t c) {
+  return src[r * row_stride + c * col_stride];
+}
+
+// Rows [first, first + count) as pair words along the row, `words` per row: word w of row r =
+// (x[r][2w], x[r][2w + 1]), zero past `dim`.
+inline void pack_row_words(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+                           int64_t first, int64_t count, uint32_t* dst) {
+  const int64_t words = words_of(dim);
+  for (int64_t r = 0; r < count; ++r) {
+    uint32_t* row = dst + r * words;
+    const int64_t at = first + r;
+    if (col_stride == 1 && dim % 2 == 0) {
+      __builtin_memcpy(row, src + at * row_stride, dim * sizeof(uint16_t));
+      continue;
+    }
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t high =
+          2 * w + 1 < dim ? bits_at(src, row_stride, col_stride, at, 2 * w + 1) : 0;
+      row[w] = bits_at(src, row_stride, col_stride, at, 2 * w) | high << 16;
+    }
+  }
+}
+
+// The same rows transposed into pairs along the rows, (words x width): word [w][r] =
+// (x[first + r][2w], x[first + r][2w + 1]), zero for r >= count.
+inline void pack_transposed_words(const uint16_t* src, int64_t row_stride, int64_t col_stride,
+                                  int64_t dim, int64_t first, int64_t count, int64_t width,
+                                  uint32_t* dst) {
+  const int64_t words = words_of(dim);
+  for (int64_t w = 0; w < words; ++w) {
+    uint32_t* out = dst + w * width;
+    const bool has_high = 2 * w + 1 < dim;
+    for (int64_t r = 0; r < count; ++r) {
+      const uint32_t high =
+          has_high ? bits_at(src, row_stride, col_stride, first + r, 2 * w + 1) : 0;
+      out[r] = bits_at(src, row_stride, col_stride, first + r, 2 * w) | high << 16;
+    }
+    for (int64_t r = count; r < width; ++r) out[r] = 0;
+  }
+}
+
+// Rows [first, first + count) in pairs of rows, ceil(count / 2) rows of `padded` (>= dim) words:
+// word [i][c] = (x[first + 2i][c], x[first + 2i + 1][c]), zero past `dim` and past the last row.
+#pragma GCC diagnostic push  // GCC PR105593 (_mm512_cvtepu16_epi32), as for transpose_16x16_words
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+inline void pack_row_pairs(const uint16_t* src, int64_t row_stride, int64_t col_stride, int64_t dim,
+                           int64_t first, int64_t count, int64_t padded, uint32_t* dst) {
+  for (int64_t i = 0; 2 * i < count; ++i) {
+    const uint16_t* lo = src + (first + 2 * i) * row_stride;
+    const bool has_hi = 2 * i + 1 < count;
+    const uint16_t* hi = lo + row_stride;
+    uint32_t* out = dst + i * padded;
+    if (col_stride == 1) {
+      for (int64_t c = 0; c < padded; c += kLanes) {
+        const int64_t n = max_i64(0, min_i64(kLanes, dim - c));
+        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+        const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo + c));
+        const __m512i h = has_hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi + c))
+                                 : _mm512_setzero_si512();
+        const __mmask16 out_mask = static_cast<__mmask16>((1u << min_i64(kLanes, padded - c)) - 1);
+        _mm512_mask_storeu_epi32(out + c, out_mask, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+      }
+      continue;
+    }
+    for (int64_t c = 0; c < dim; ++c) {
+      const uint32_t high = has_hi ? hi[c * col_stride] : 0;
+      out[c] = lo[c * col_stride] | high << 16;
+    }
+    for (int64_t c = dim; c < padded; ++c) out[c] = 0;
+  }
+}
+#pragma GCC diagnostic pop
+
 // Packs V of keys [k0, k0 + count) (k0 even) as key pairs, and K rows if not read in place.
 inline void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_t pair, int64_t k0,
                            int64_t count, uint32_t* dst) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
-  uint32_t* vp = dst;
-  for (int64_t j = k0; j < k0 + count; j += 2) {
-    const uint16_t* lo = v + j * p.v_stride[2];
-    uint32_t* row = vp + (j / 2) * p.head_dim_v;
-    if (j + 1 < p.len_k) {
-      const uint16_t* hi = lo + p.v_stride[2];
-      for (int64_t c = 0; c < p.head_dim_v; ++c)
-        row[c] = lo[c * p.v_stride[3]] | static_cast<uint32_t>(hi[c * p.v_stride[3]]) << 16;
-    } else {  // odd len_k: the last key pairs with zeros
-      for (int64_t c = 0; c < p.head_dim_v; ++c) row[c] = lo[c * p.v_stride[3]];
-    }
-  }
+  pack_row_pairs(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, p.head_dim_v,
+                 dst + (k0 / 2) * p.head_dim_v);
   if (l.k_in_place) return;
   const uint16_t* k = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
-  uint32_t* kp = dst + l.v_pairs * p.head_dim_v;
-  for (int64_t j = k0; j < k0 + count; ++j) {
-    const uint16_t* src = k + j * p.k_stride[2];
-    uint32_t* row = kp + j * l.k_words;
-    for (int64_t w = 0; w < l.k_words; ++w) {
-      const int64_t d = 2 * w;
-      const uint32_t high = d + 1 < p.head_dim ? src[(d + 1) * p.k_stride[3]] : 0;
-      row[w] = src[d * p.k_stride[3]] | high << 16;
-    }
-  }
+  pack_row_words(k, p.k_stride[2], p.k_stride[3], p.head_dim, k0, count,
+                 dst + l.v_pairs * p.head_dim_v + k0 * l.k_words);
 }
 
 // ---------------------------------------------------------------- one query tile
