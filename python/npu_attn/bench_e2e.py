@@ -51,14 +51,14 @@ class ConfigurationError(ValueError):
 
 
 def build_unet(model: str = "sd15"):
-    """The full-size UNet of ``model`` (demo.ARCHITECTURES) with random weights, in float32."""
+    """The full-size UNet of ``model`` (demo.UNET_ARCHITECTURES) with random weights, in float32."""
     import torch
     from diffusers import UNet2DConditionModel
 
-    from .demo import ARCHITECTURES
+    from .demo import UNET_ARCHITECTURES
 
     torch.manual_seed(0)
-    return UNet2DConditionModel(**ARCHITECTURES[model][0]).eval()
+    return UNet2DConditionModel(**UNET_ARCHITECTURES[model][0]).eval()
 
 
 def make_inputs(unet, size: int, dtype, vae_scale: int = 8) -> dict:
@@ -430,7 +430,7 @@ def plot_images(report: dict, path: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .demo import ARCHITECTURES
+    from .demo import UNET_ARCHITECTURES
 
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn bench --e2e",
@@ -440,7 +440,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--model",
         default="sd15",
-        choices=tuple(ARCHITECTURES),
+        choices=tuple(UNET_ARCHITECTURES),
         help="architecture built from config with random weights (default sd15; sdxl is SDXL "
         "base 1.0's UNet and VAE; tiny and tiny-sdxl are for tests)",
     )
@@ -466,7 +466,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
     if args.size is None:
-        args.size = ARCHITECTURES[args.model][1]
+        args.size = UNET_ARCHITECTURES[args.model][1]
     if args.size < 8 or args.size % 8:
         parser.error(f"--size must be a positive multiple of 8 pixels, got {args.size}")
     if args.repeats < 1:

@@ -25,7 +25,10 @@ rounding does to the result (random weights amplify it step after step): a strat
 deviation is of that size differs from ``sdpa`` only by rounding. The image, a PNG chart of the
 table and ``results.json`` (the same columns) are written to the output folder.
 
-``--weights DIR`` uses a real local diffusers model folder instead (with ``--prompt``).
+``--model`` picks another architecture (SD-2.1, SDXL, SD3 medium: ARCHITECTURES), ``--weights
+DIR`` a real local diffusers model folder (with ``--prompt``). ``--tome``, ``--deepcache`` (UNet
+pipelines) and ``--block-cache`` (SD3) add one lossy row: ``auto`` with those step
+accelerations (:func:`~npu_attn.accelerate`), checked against the model before anything runs.
 While the demo runs, diffusers' and transformers' configuration and deprecation warnings are
 silenced (set DIFFUSERS_VERBOSITY or TRANSFORMERS_VERBOSITY to see them); npu_attn's own log
 lines and errors are shown.
@@ -77,9 +80,9 @@ MODELS = {
     ),
 }
 
-# SDXL's architecture, for ``bench --e2e`` (the demo itself runs MODELS: its prompts are SD-1.5
-# style embeddings, without SDXL's pooled ones). Same fields as MODELS; the UNet takes SDXL's
-# added text/time conditions, whose pooled text width is
+# SDXL's architecture, for the demo and ``bench --e2e``. Same fields as MODELS; the UNet takes
+# SDXL's added text/time conditions (prompt_embeddings gives the pooled embeddings), whose
+# pooled text width is
 # projection_class_embeddings_input_dim - 6 * addition_time_embed_dim (6 time ids).
 SDXL_MODELS = {
     # stabilityai/stable-diffusion-xl-base-1.0's unet/config.json (2.6B parameters; its other
@@ -126,8 +129,54 @@ SDXL_MODELS = {
         (32, 64),
     ),
 }
-# Every architecture build_pipeline knows (each config lives in MODELS or SDXL_MODELS).
-ARCHITECTURES = {**MODELS, **SDXL_MODELS}
+# Stable Diffusion 3's MMDiT, for the demo's transformer path (First Block Cache, --block-cache).
+# Fields: (SD3Transformer2DModel config, default size, joint text width, VAE block channels).
+SD3_MODELS = {
+    # stabilityai/stable-diffusion-3-medium-diffusers' transformer/config.json (2B parameters).
+    # The demo's default is 512px: SD3's native 1024px has 4x the image tokens, ~4x a step.
+    "sd3": (
+        {
+            "sample_size": 128,
+            "patch_size": 2,
+            "in_channels": 16,
+            "num_layers": 24,
+            "attention_head_dim": 64,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "caption_projection_dim": 1536,
+            "pooled_projection_dim": 2048,
+            "out_channels": 16,
+            "pos_embed_max_size": 192,
+        },
+        512,
+        4096,
+        (128, 256, 512, 512),
+    ),
+    # the same blocks (joint attention, the last block context_pre_only) with tiny widths
+    "tiny-sd3": (
+        {
+            "sample_size": 32,
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "joint_attention_dim": 32,
+            "caption_projection_dim": 32,
+            "pooled_projection_dim": 64,
+            "out_channels": 4,
+        },
+        64,
+        32,
+        (32, 64),
+    ),
+}
+# SD3's text sequence: CLIP's 77 tokens, then T5's 256 (its pipelines' max_sequence_length).
+SD3_TEXT_TOKENS = 77 + 256
+# The UNet architectures (``bench --e2e`` builds their UNets alone) and every architecture
+# build_pipeline knows.
+UNET_ARCHITECTURES = {**MODELS, **SDXL_MODELS}
+ARCHITECTURES = {**UNET_ARCHITECTURES, **SD3_MODELS}
 
 
 def pooled_text_dim(unet_config) -> Optional[int]:
@@ -183,10 +232,58 @@ class AutoCost:
         return max(0.0, self.first_run.seconds - steady.seconds)
 
 
+def denoiser(pipe):
+    """The pipeline's denoising model: its UNet, or its transformer (SD3)."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
+def build_sd3_pipeline(model: str):
+    """StableDiffusion3Pipeline with the named SD3_MODELS architecture, SD3's VAE layout (its
+    latent scale and shift, no quant convs) and flow-matching scheduler, random weights."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    overrides, _, _, vae_channels = SD3_MODELS[model]
+    tiny = model.startswith("tiny")
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(**overrides)
+    n = len(vae_channels)
+    vae = AutoencoderKL(
+        block_out_channels=vae_channels,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        latent_channels=overrides["in_channels"],
+        layers_per_block=1 if tiny else 2,
+        norm_num_groups=8 if tiny else 32,
+        # stable-diffusion-3-medium-diffusers' vae/config.json
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # SD3's scheduler config
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
+
+
 def build_pipeline(model: str = "sd15"):
     """A pipeline with the named architecture (MODELS: StableDiffusionPipeline with DDIM;
-    SDXL_MODELS: StableDiffusionXLPipeline with SDXL's Euler scheduler) and random weights (no
-    download). The text encoders are omitted: prompts are given as embeddings."""
+    SDXL_MODELS: StableDiffusionXLPipeline with SDXL's Euler scheduler; SD3_MODELS:
+    StableDiffusion3Pipeline) and random weights (no download). The text encoders are omitted:
+    prompts are given as embeddings."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -199,6 +296,8 @@ def build_pipeline(model: str = "sd15"):
 
     if model not in ARCHITECTURES:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if model in SD3_MODELS:
+        return build_sd3_pipeline(model)
     overrides, _, _, vae_channels = ARCHITECTURES[model]
     tiny = model.startswith("tiny")
     sdxl = model in SDXL_MODELS
@@ -281,18 +380,27 @@ def load_pipeline(directory: Path):
 
 def prompt_embeddings(pipe, dtype, device, prompt: Optional[str] = None) -> dict[str, Any]:
     """The prompt as the pipeline's embedding keyword arguments: ``prompt_embeds`` and
-    ``negative_prompt_embeds``, plus SDXL's pooled pair when the UNet takes them. Encoded with
-    the pipeline's text encoders when it has them and a prompt is given, else random (seeded)
-    embeddings of the UNet's widths."""
+    ``negative_prompt_embeds``, plus the pooled pair when the model takes them (SDXL, SD3).
+    Encoded with the pipeline's text encoders when it has them and a prompt is given, else
+    random (seeded) embeddings of the model's widths."""
     import torch
 
+    config = denoiser(pipe).config
+    sd3 = getattr(pipe, "unet", None) is None
+    if sd3:  # joint text tokens (CLIP + T5) and the pooled CLIP embedding
+        tokens, width = SD3_TEXT_TOKENS, config.joint_attention_dim
+        pooled = config.pooled_projection_dim
+    else:
+        tokens, width, pooled = 77, config.cross_attention_dim, pooled_text_dim(config)
     names = ["prompt_embeds", "negative_prompt_embeds"]
-    pooled = pooled_text_dim(pipe.unet.config)
     if pooled is not None:
         names += ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"]
     if prompt is not None and getattr(pipe, "text_encoder", None) is not None:
+        # SD3 has a prompt per text encoder; None repeats the first
+        per_encoder = {"prompt_2": None, "prompt_3": None} if sd3 else {}
         encoded = pipe.encode_prompt(
             prompt=prompt,
+            **per_encoder,
             device=device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=True,
@@ -300,8 +408,7 @@ def prompt_embeddings(pipe, dtype, device, prompt: Optional[str] = None) -> dict
         )
         return dict(zip(names, encoded))
     g = torch.Generator().manual_seed(1234)
-    cross_dim = pipe.unet.config.cross_attention_dim
-    shapes = [(1, 77, cross_dim)] * 2 + [(1, pooled)] * (len(names) - 2)
+    shapes = [(1, tokens, width)] * 2 + [(1, pooled)] * (len(names) - 2)
     return {
         name: torch.randn(*shape, generator=g).to(device, dtype)
         for name, shape in zip(names, shapes)
@@ -379,8 +486,9 @@ def decode(pipe, latents):
     import torch
 
     vae = pipe.vae
+    shift = vae.config.shift_factor or 0.0  # SD3's latents are shifted as well as scaled
     with torch.no_grad():
-        scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
+        scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + shift
         image = vae.decode(scaled).sample
         return pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
 
@@ -405,18 +513,64 @@ def run_auto(pipe, args, embeds, dm) -> tuple[RunResult, AutoCost]:
     return steady, cost
 
 
-def run_accelerated(pipe, args, embeds, dm) -> RunResult:
-    """``auto`` with the step accelerations asked for (--tome, --deepcache), then undone: its
-    accuracy columns show what the lossy methods cost against the exact ``sdpa`` run."""
+def requested_accelerations(args) -> dict[str, Any]:
+    """The step accelerations the flags ask for, as :func:`~npu_attn.accelerate` options."""
+    requested = {
+        "token_merging": args.tome,
+        "deep_cache": args.deepcache,
+        "block_cache": args.block_cache,
+    }
+    return {method: value for method, value in requested.items() if value is not None}
+
+
+def check_accelerations(pipe, args) -> Optional[str]:
+    """Applies and removes the requested accelerations once, before anything runs: the error
+    message when one is invalid or does not apply to the model (e.g. DeepCache on SD3), else
+    None."""
     from .acceleration import accelerate, reset_acceleration
 
-    applied = accelerate(pipe, token_merging=args.tome, deep_cache=args.deepcache)
-    names = {"token_merging": f"ToMe {args.tome}", "deep_cache": f"DeepCache {args.deepcache}"}
-    label = "auto + " + " + ".join(names[m] for m in applied)
+    options = requested_accelerations(args)
+    if not options:
+        return None
     try:
-        return run_strategy(pipe, "auto", args, embeds, dm, label=label)
+        accelerate(pipe, **options)
+    except (TypeError, ValueError) as e:
+        return f"{args.model if args.weights is None else args.weights}: {e}"
     finally:
         reset_acceleration(pipe)
+    return None
+
+
+def run_accelerated(pipe, args, embeds, dm) -> RunResult:
+    """``auto`` with the step accelerations asked for (--tome, --deepcache, --block-cache),
+    then undone: its accuracy columns show what the lossy methods cost against the exact
+    ``sdpa`` run."""
+    from .acceleration import accelerate, reset_acceleration
+    from .block_cache import block_cache_of
+
+    applied = accelerate(pipe, **requested_accelerations(args))
+    names = {
+        "token_merging": f"ToMe {args.tome}",
+        "deep_cache": f"DeepCache {args.deepcache}",
+        "block_cache": f"First Block Cache {args.block_cache}",
+    }
+    label = "auto + " + " + ".join(names[m] for m in applied)
+    try:
+        result = run_strategy(pipe, "auto", args, embeds, dm, label=label)
+        if "block_cache" in applied:
+            print(block_cache_line(block_cache_of(pipe)))
+        return result
+    finally:
+        reset_acceleration(pipe)
+
+
+def block_cache_line(state: dict[str, Any]) -> str:
+    """How often First Block Cache skipped the blocks after the first (a threshold too low
+    for the run skips nothing, and the row is then exact)."""
+    return (
+        f"First Block Cache (threshold {state['threshold']}): the blocks after the first were "
+        f"skipped on {state['skipped_calls']} of {state['calls']} transformer calls"
+    )
 
 
 def float32_reference(pipe, args, embeds, dm) -> RunResult:
@@ -660,7 +814,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="sd15",
         choices=sorted(ARCHITECTURES),
         help="architecture built from config with random weights (default sd15; sdxl is SDXL "
-        "base 1.0's UNet, VAE and scheduler, 1024px by default; tiny and tiny-sdxl are for tests)",
+        "base 1.0's UNet, VAE and scheduler, 1024px by default; sd3 is SD3 medium's transformer, "
+        "VAE and scheduler, 512px by default; the tiny ones are for tests)",
     )
     parser.add_argument("--weights", type=Path, help="a local diffusers model folder instead")
     parser.add_argument("--prompt", help="prompt (with --weights; random embeddings otherwise)")
@@ -687,6 +842,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run auto with DeepCache, a full UNet every N steps (lossy; e.g. 3)",
     )
     parser.add_argument(
+        "--block-cache",
+        type=float,
+        metavar="THRESHOLD",
+        help="also run auto with First Block Cache at this threshold on a transformer model "
+        "(--model sd3; lossy; e.g. 0.1)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("npu_attn_out/demo"),
@@ -706,7 +868,7 @@ def prepare_pipeline(args):
     folder that cannot be loaded."""
     if args.weights is not None:
         pipe = load_pipeline(args.weights)
-        latent_size = pipe.unet.config.sample_size or 64
+        latent_size = denoiser(pipe).config.sample_size or 64
         args.size = args.size or latent_size * pipe.vae_scale_factor
         return pipe, f"weights from {args.weights}"
     pipe = build_pipeline(args.model)
@@ -796,6 +958,10 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     pipe = pipe.to(dm.device, dm.dtype)
+    problem = check_accelerations(pipe, args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     embeds = prompt_embeddings(pipe, dm.dtype, dm.device, args.prompt)
     threads = _runtime.get_num_threads()
     dtype = str(dm.dtype).replace("torch.", "")
@@ -816,7 +982,7 @@ def run(args) -> int:
     results = [run_strategy(pipe, name, args, embeds, dm) for name in names]
     reference = next(r for r in results if r.strategy == "sdpa")
     rows = results + [auto]
-    if args.tome is not None or args.deepcache is not None:
+    if requested_accelerations(args):
         rows.append(run_accelerated(pipe, args, embeds, dm))
     if dm.dtype in (torch.float16, torch.bfloat16):
         rows.append(float32_reference(pipe, args, embeds, dm))

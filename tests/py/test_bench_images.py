@@ -25,9 +25,9 @@ from npu_attn.bench_e2e import (
     make_inputs,
 )
 from npu_attn.demo import (
-    ARCHITECTURES,
     MODELS,
     SDXL_MODELS,
+    UNET_ARCHITECTURES,
     build_pipeline,
     prompt_embeddings,
     vae_scale_factor,
@@ -72,14 +72,14 @@ def test_tiny_sdxl_images_write_a_png_chart(tiny_sdxl_report):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
-@pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux"])
+@pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux", "sd3"])
 def test_unknown_model_is_refused_with_the_choices(model, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--e2e", "--images", "2", "--model", model])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"invalid choice: '{model}'" in err
-    assert all(name in err for name in ARCHITECTURES), err
+    assert all(name in err for name in UNET_ARCHITECTURES), err
 
 
 @pytest.mark.parametrize(
@@ -135,9 +135,13 @@ def test_step_benchmark_inputs_carry_sdxl_added_conditions():
     assert "added_cond_kwargs" not in make_inputs(build_unet("tiny"), 64, torch.float32, 2)
 
 
-def test_the_demo_keeps_its_own_models():
-    """SDXL needs pooled embeddings the demo does not pass: it stays a bench-only model."""
+def test_architecture_tables_do_not_overlap():
+    """Each architecture name builds one pipeline class: the tables do not overlap, and the
+    step benchmark (UNets alone) offers the UNet architectures only."""
+    from npu_attn.demo import SD3_MODELS
+
     assert not set(SDXL_MODELS) & set(MODELS)
+    assert not set(SD3_MODELS) & set(UNET_ARCHITECTURES)
 
 
 def test_sd_images_still_run(tmp_path):

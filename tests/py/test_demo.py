@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -191,3 +192,59 @@ def test_demo_runs_the_sdxl_architecture_with_token_merging_and_deepcache(tmp_pa
     assert float(rows["tiled"][3]) < 1e-4  # exact
     assert float(rows["auto + ToMe 0.5 + DeepCache 2"][3]) > 1e-4  # lossy, so it really ran
     assert (tmp_path / "out" / "image.png").is_file()
+
+
+def test_demo_runs_sd3_with_first_block_cache_as_a_separate_row(tmp_path):
+    """SD3's pipeline (joint text tokens, pooled embeddings, flow matching, a shifted VAE
+    latent) through the demo, and ``--block-cache``: a threshold high enough to skip must skip
+    (the line says how often) and deviate, while ``tiled`` stays exact."""
+    result = run_demo(
+        tmp_path,
+        *("--model", "tiny-sd3", "--steps", "4", "--strategies", "sdpa,tiled"),
+        *("--block-cache", "5", "--out", str(tmp_path / "out")),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tiny-sd3 architecture" in result.stdout
+    skipped = re.search(r"skipped on (\d+) of (\d+) transformer calls", result.stdout)
+    assert skipped is not None, result.stdout
+    assert 0 < int(skipped[1]) < int(skipped[2]) == 4  # the first call of a generation runs
+    rows = table_rows(result.stdout)
+    assert float(rows["tiled"][3]) < 1e-4
+    assert float(rows["auto + First Block Cache 5.0"][3]) > 1e-4
+    assert (tmp_path / "out" / "image.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "tiny-sd3", "--deepcache", "2"], "applies to UNet pipelines"),
+        (["--model", "tiny-sd3", "--tome", "0.5"], "token_merging"),
+        (["--model", "tiny", "--block-cache", "0.1"], "block_cache applies to transformer"),
+        (["--model", "tiny-sd3", "--block-cache", "-1"], "block_cache"),
+    ],
+)
+def test_demo_refuses_an_acceleration_the_model_cannot_take_before_running(tmp_path, args, message):
+    result = run_demo(tmp_path, *args, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert "denoising" not in result.stdout + result.stderr  # nothing ran
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_sd3_is_stable_diffusion_3_medium_architecture():
+    """The full-size config, built on the meta device (nothing run): SD3 medium's transformer
+    has 2,028,328,000 parameters and takes 333 joint text tokens of 4096 and pooled 2048."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    from npu_attn.demo import SD3_MODELS, prompt_embeddings
+
+    overrides, size, joint, vae = SD3_MODELS["sd3"]
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel(**overrides)
+    assert sum(p.numel() for p in transformer.parameters()) == 2_028_328_000
+    assert (size, joint, vae) == (512, 4096, (128, 256, 512, 512))
+    pipe = types.SimpleNamespace(unet=None, transformer=transformer)
+    kwargs = prompt_embeddings(pipe, torch.bfloat16, "cpu")
+    assert kwargs["prompt_embeds"].shape == (1, 333, 4096)
+    assert kwargs["negative_pooled_prompt_embeds"].shape == (1, 2048)
