@@ -10,6 +10,7 @@
 //     K rows    (keys x head_dim/2)      word = (K[j][2p], K[j][2p+1])   K read in place
 //     P pairs   (keys/2 x queries)       word = (P[2i][q], P[2i+1][q])   written by the softmax
 //     V pairs   (keys/2 x head_dim_v)    word = (V[2i][c], V[2i+1][c])   packed once per pair
+//               (rows padded by a cache line where they would alias in L1: packed_v_row_floats)
 //   S^T[j][q]  = sum_p K[j][p] . Qp[p][q]       then * scale, mask, online softmax (float32)
 //   O^T[c][q] += sum_i Vp[i][c] . Pp[i][q]
 // Accumulation, softmax and the output are float32; P is rounded to bfloat16 before the second
@@ -104,11 +105,13 @@ inline float scale_scores_if_needed(const AttentionParams& p, int64_t keys, int6
 // ---------------------------------------------------------------- plan
 // Operand layout of the pair kernels (the AMX kernel fills one in for its padded operands).
 struct PairLayout {
-  bool k_in_place;  // bfloat16 K rows with unit stride and an even head_dim: read directly
-  int64_t k_words;  // words per packed K row (and query-pair rows): ceil(head_dim / 2)
-  int64_t v_pairs;  // ceil(len_k / 2)
-  int64_t block_k;  // keys per tile (even)
-  int64_t block_q;  // queries per task: the leading dimension of every scratch buffer
+  bool k_in_place;       // bfloat16 K rows with unit stride and an even head_dim: read directly
+  int64_t k_words;       // words per packed K row (and query-pair rows): ceil(head_dim / 2)
+  int64_t v_pairs;       // ceil(len_k / 2)
+  int64_t block_k;       // keys per tile (even)
+  int64_t block_q;       // queries per task: the leading dimension of every scratch buffer
+  int64_t pv_key_pairs;  // key pairs per O^T += V^T P^T pass
+  int64_t v_row_words;   // words per packed V pair row: head_dim_v, padded (packed_v_row_floats)
 };
 
 struct PairPlan {
@@ -150,9 +153,11 @@ inline PairPlan plan_pairs(const AttentionParams& p, int threads) {
   l.v_pairs = (p.len_k + 1) / 2;
   l.block_k = round_up(min_i64(kKeyTile, max_i64(p.len_k, 1)), 2);
   l.block_q = query_tile_for(p, threads);
+  l.pv_key_pairs = pv_key_chunk_for(p) / 2;
+  l.v_row_words = packed_v_row_floats(p);
   s.block_q = l.block_q;
   s.pack_tiles = ceil_div(p.len_k, l.block_k);  // V always (as key pairs), K unless in place
-  s.pair_floats = l.v_pairs * p.head_dim_v + (l.k_in_place ? 0 : p.len_k * l.k_words);
+  s.pair_floats = l.v_pairs * l.v_row_words + (l.k_in_place ? 0 : p.len_k * l.k_words);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats = pair_scratch_words(l, p.head_dim_v);
   return plan;
@@ -246,12 +251,12 @@ inline void pack_pair_rows(const AttentionParams& p, const PairLayout& l, int64_
                            int64_t count, uint32_t* dst) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const uint16_t* v = static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
-  pack_row_pairs(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, p.head_dim_v,
-                 dst + (k0 / 2) * p.head_dim_v);
+  pack_row_pairs(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, l.v_row_words,
+                 dst + (k0 / 2) * l.v_row_words);
   if (l.k_in_place) return;
   const uint16_t* k = static_cast<const uint16_t*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
   pack_row_words(k, p.k_stride[2], p.k_stride[3], p.head_dim, k0, count,
-                 dst + l.v_pairs * p.head_dim_v + k0 * l.k_words);
+                 dst + l.v_pairs * l.v_row_words + k0 * l.k_words);
 }
 
 // ---------------------------------------------------------------- one query tile
@@ -421,10 +426,10 @@ inline void run_query_tile_pairs(const AttentionParams& p, const PairLayout& l,
     });
     // O^T += V^T P^T (pairs along keys); a tile's odd last key pairs with a zero.
     const int64_t key_pairs = (keys + 1) / 2;
-    for (int64_t i0 = 0; i0 < key_pairs; i0 += kPvKeyChunk / 2) {
-      const int64_t chunk = min_i64(kPvKeyChunk / 2, key_pairs - i0);
+    for (int64_t i0 = 0; i0 < key_pairs; i0 += l.pv_key_pairs) {
+      const int64_t chunk = min_i64(l.pv_key_pairs, key_pairs - i0);
       pair_dot<ALayout::kColMajor, true>(
-          reinterpret_cast<const UnalignedWord*>(vp + (k0 / 2 + i0) * p.head_dim_v), p.head_dim_v,
+          reinterpret_cast<const UnalignedWord*>(vp + (k0 / 2 + i0) * l.v_row_words), l.v_row_words,
           ws.pp + i0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.f32.ot, ld);
     }
   }
@@ -465,7 +470,7 @@ struct Bf16PairFamily {
                                                  task.hkv * p.k_stride[1]);
       k_row_words = p.k_stride[2] / 2;
     } else {
-      k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * p.head_dim_v);
+      k = reinterpret_cast<const UnalignedWord*>(vp + l.v_pairs * l.v_row_words);
       k_row_words = l.k_words;
     }
     run_query_tile_pairs(p, l, k, k_row_words, vp, task.tile, ws);

@@ -61,13 +61,38 @@ constexpr int64_t kPackBudgetBytes = int64_t{32} << 20;
 constexpr int kPvKeyChunk = 128;
 // ...but fewer for very large value head dims (the VAE's 512): each pass streams the P^T chunk
 // once per 6 output channels, and at 512 channels a 32-key chunk (8 KiB of P^T) measured ~20%
-// faster than 128 keys (32 KiB, all of L1) on Zen 4, ~6% at 384, and no better below.
+// faster than 128 keys (32 KiB, all of L1) on Zen 4, ~6% at 384, and no better below. The
+// bfloat16 pair kernel (16 key pairs per pass): 23% faster at the VAE's 512 (512px).
 constexpr int kPvKeyChunkLargeDim = 32;
 constexpr int64_t kLargeDimV = 384;
 
 static_assert(kMinQueryTile % kLanes == 0 && kMaxQueryTile % kMinQueryTile == 0,
               "query tiles are whole vectors, and halving kMaxQueryTile reaches kMinQueryTile");
 constexpr int kTileQueryVecs = kMaxQueryTile / kLanes;  // vectors spanning a full query tile
+
+// V rows whose stride is a multiple of 512 bytes all fall into a few of L1's 64 sets (of 64-byte
+// lines, on current x86 cores). For large value head dims the P*V pass reads one line from each
+// of pv_key_chunk V rows per group of 6 output channels, and those lines then evict each other
+// before the next group reuses them. With V rows one line longer (a padded packed copy; float32
+// V is then copied, 2 KiB per key at Dv = 512), the VAE mid-block shape (Dv = 512) measured
+// 5-8% faster in float32 and 6% (1024px) in the bfloat16 pair kernel on Zen 4. Below
+// kLargeDimV (e.g. Flux's 128) padded rows measured no gain, so those are left as they are.
+constexpr int64_t kAliasingStrideFloats = 128;
+constexpr int64_t kLineFloats = 16;
+
+bool aliasing_v_rows(const AttentionParams& p, int64_t row_floats) {
+  return p.head_dim_v >= kLargeDimV && row_floats % kAliasingStrideFloats == 0;
+}
+
+// The row stride of a packed copy of V rows (packed K rows are head_dim floats).
+int64_t packed_v_row_floats(const AttentionParams& p) {
+  return aliasing_v_rows(p, p.head_dim_v) ? p.head_dim_v + kLineFloats : p.head_dim_v;
+}
+
+// Keys per P*V pass for the call's value head dim (shared by plan_tiled and plan_pairs).
+int64_t pv_key_chunk_for(const AttentionParams& p) {
+  return p.head_dim_v >= kLargeDimV ? kPvKeyChunkLargeDim : kPvKeyChunk;
+}
 
 // Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
 int64_t query_tile_for(const AttentionParams& p, int threads) {
@@ -85,7 +110,11 @@ struct Tiling {
   ForwardSchedule schedule;  // block_q: queries per task, a multiple of kLanes
   int64_t block_k;           // keys per tile
   int64_t pv_key_chunk;      // keys per O^T += V^T P^T pass
-  bool pack_kv;  // copy K/V rows first (16-bit types, or a head dim that is not contiguous)
+  // Packed copies of K and V rows made first (16-bit types are converted once; float32 is
+  // read in place unless its head dim is not contiguous, or its V rows alias in L1).
+  bool pack_k;
+  bool pack_v;
+  int64_t v_row_floats;  // row stride of the packed V copy (packed_v_row_floats)
 };
 
 // One thread's scratch, carved from schedule.scratch_floats floats.
@@ -118,27 +147,32 @@ Tiling plan_tiled(const AttentionParams& p, int threads) {
   Tiling t{};
   ForwardSchedule& s = t.schedule;
   t.block_k = min_i64(kKeyTile, max_i64(p.len_k, 1));
-  t.pv_key_chunk = p.head_dim_v >= kLargeDimV ? kPvKeyChunkLargeDim : kPvKeyChunk;
+  t.pv_key_chunk = pv_key_chunk_for(p);
   // The kernels read float32 K and V as rows with unit stride along the head dim; only other
-  // layouts (e.g. a transposed view) and 16-bit types (converted once here) need a packed copy.
-  t.pack_kv = !__is_same(T, float) || p.k_stride[3] != 1 || p.v_stride[3] != 1;
+  // layouts (e.g. a transposed view), 16-bit types (converted once here) and large-Dv V rows
+  // that alias in L1 (aliasing_v_rows) need a packed copy.
+  const bool convert = !__is_same(T, float);
+  t.pack_k = convert || p.k_stride[3] != 1;
+  t.pack_v = convert || p.v_stride[3] != 1 || aliasing_v_rows(p, p.v_stride[2]);
+  t.v_row_floats = packed_v_row_floats(p);
   s.block_q = query_tile_for(p, threads);
-  s.pack_tiles = t.pack_kv ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
-  s.pair_floats = t.pack_kv ? p.len_k * (p.head_dim + p.head_dim_v) : 0;
+  const bool packs = t.pack_k || t.pack_v;
+  s.pack_tiles = packs ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
+  s.pair_floats = p.len_k * ((t.pack_k ? p.head_dim : 0) + (t.pack_v ? t.v_row_floats : 0));
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats = scratch_floats(p, s.block_q, t.block_k);
   return t;
 }
 
 // ---------------------------------------------------------------- packing
-// Rows [first, first + count) of a (len, dim) matrix with strides (row, col) into dst, which
-// holds rows of exactly `dim` floats.
+// Rows [first, first + count) of a (len, dim) matrix with strides (row, col) into dst, whose
+// rows start `dst_stride` floats apart (the padding past `dim` is left unwritten: never read).
 template <typename T>
 void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim, int64_t first,
-               int64_t count, float* dst) {
+               int64_t count, int64_t dst_stride, float* dst) {
   for (int64_t j = first; j < first + count; ++j) {
     const T* s = src + j * row_stride;
-    float* d = dst + j * dim;
+    float* d = dst + j * dst_stride;
     int64_t c = 0;
     if (col_stride == 1) {
       for (; c + kLanes <= dim; c += kLanes) store(d + c, load_as_float(s + c));
@@ -147,18 +181,23 @@ void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim
   }
 }
 
-// Keys [tile * block_k, + block_k) of one (batch, kv-head) pair: K rows to k_rows (len_k rows
-// of head_dim floats), then V rows after them (len_k rows of head_dim_v).
+// Keys [tile * block_k, + block_k) of one (batch, kv-head) pair into its packed copy: K rows
+// (len_k rows of head_dim floats) if t.pack_k, then V rows (len_k rows, t.v_row_floats apart)
+// if t.pack_v.
 template <typename T>
 void pack_key_tile(const AttentionParams& p, const Tiling& t, int64_t pair, int64_t tile,
-                   float* k_rows) {
+                   float* packed) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
-  float* v_rows = k_rows + p.len_k * p.head_dim;
-  pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
-            p.k_stride[3], p.head_dim, k0, count, k_rows);
-  pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2],
-            p.v_stride[3], p.head_dim_v, k0, count, v_rows);
+  float* v_rows = t.pack_k ? packed + p.len_k * p.head_dim : packed;
+  if (t.pack_k) {
+    pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
+              p.k_stride[3], p.head_dim, k0, count, p.head_dim, packed);
+  }
+  if (t.pack_v) {
+    pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2],
+              p.v_stride[3], p.head_dim_v, k0, count, t.v_row_floats, v_rows);
+  }
 }
 
 // ---------------------------------------------------------------- micro-kernels
@@ -434,16 +473,27 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
 }
 
 // ---------------------------------------------------------------- family traits
-// K and V rows of one (batch, kv-head) pair: the packed copy, or float32 read in place.
+// K and V rows of one (batch, kv-head) pair: each from the packed copy, or float32 read in place
+// (plan_tiled packs every other type).
 KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* packed,
                        const QueryTask& task) {
-  if (t.pack_kv) return {packed, p.head_dim, packed + p.len_k * p.head_dim, p.head_dim_v};
-  // Only float32 is read in place (plan_tiled packs every other type).
   const int64_t b = task.tile.batch, hkv = task.hkv;
-  const float* k = static_cast<const float*>(p.k);
-  const float* v = static_cast<const float*>(p.v);
-  return {k + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
-          v + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2]};
+  KeyValueRows rows{};
+  if (t.pack_k) {
+    rows.k = packed;
+    rows.k_row_stride = p.head_dim;
+  } else {
+    rows.k = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
+    rows.k_row_stride = p.k_stride[2];
+  }
+  if (t.pack_v) {
+    rows.v = t.pack_k ? packed + p.len_k * p.head_dim : packed;
+    rows.v_row_stride = t.v_row_floats;
+  } else {
+    rows.v = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
+    rows.v_row_stride = p.v_stride[2];
+  }
+  return rows;
 }
 
 // The float32-compute family for run_forward (forward_driver_impl.h): T is the element type of

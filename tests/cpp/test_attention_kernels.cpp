@@ -61,6 +61,12 @@ std::vector<Case> shape_grid() {
   cases.push_back({1, 8, 2, 90, 120, 64, 64});  // GQA 4:1
   cases.push_back({2, 6, 3, 50, 50, 72, 72});   // GQA 2:1
   cases.push_back({3, 5, 1, 33, 47, 24, 24});   // MQA
+  // Value head dims >= 384 whose V rows alias in L1 get a padded packed copy of V while K is
+  // read in place (float32): several key tiles with a ragged last one, K and V of different
+  // widths, GQA.
+  cases.push_back({1, 2, 2, 100, 1100, 512, 512});
+  cases.push_back({1, 2, 2, 80, 700, 64, 384});
+  cases.push_back({1, 4, 2, 50, 530, 512, 512});
   return cases;
 }
 
