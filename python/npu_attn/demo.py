@@ -237,29 +237,42 @@ def denoiser(pipe):
     return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
 
 
+def build_vae(model: str, latent_channels: int, **config):
+    """The architecture's AutoencoderKL (its block channels from ARCHITECTURES; 1 layer per block
+    and 8 groups for the tiny ones, else SD's 2 and 32), random weights; `config` adds the
+    model family's own fields (latent scale, shift...)."""
+    from diffusers import AutoencoderKL
+
+    vae_channels = ARCHITECTURES[model][3]
+    tiny = model.startswith("tiny")
+    n = len(vae_channels)
+    return AutoencoderKL(
+        block_out_channels=vae_channels,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        latent_channels=latent_channels,
+        layers_per_block=1 if tiny else 2,
+        norm_num_groups=8 if tiny else 32,
+        **config,
+    )
+
+
 def build_sd3_pipeline(model: str):
     """StableDiffusion3Pipeline with the named SD3_MODELS architecture, SD3's VAE layout (its
     latent scale and shift, no quant convs) and flow-matching scheduler, random weights."""
     import torch
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
 
     overrides, _, _, vae_channels = SD3_MODELS[model]
-    tiny = model.startswith("tiny")
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**overrides)
-    n = len(vae_channels)
-    vae = AutoencoderKL(
-        block_out_channels=vae_channels,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
+    vae = build_vae(
+        model,
         latent_channels=overrides["in_channels"],
-        layers_per_block=1 if tiny else 2,
-        norm_num_groups=8 if tiny else 32,
         # stable-diffusion-3-medium-diffusers' vae/config.json
         scaling_factor=1.5305,
         shift_factor=0.0609,
@@ -286,7 +299,6 @@ def build_pipeline(model: str = "sd15"):
     prompts are given as embeddings."""
     import torch
     from diffusers import (
-        AutoencoderKL,
         DDIMScheduler,
         EulerDiscreteScheduler,
         StableDiffusionPipeline,
@@ -298,22 +310,13 @@ def build_pipeline(model: str = "sd15"):
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
     if model in SD3_MODELS:
         return build_sd3_pipeline(model)
-    overrides, _, _, vae_channels = ARCHITECTURES[model]
-    tiny = model.startswith("tiny")
+    overrides = ARCHITECTURES[model][0]
     sdxl = model in SDXL_MODELS
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**overrides)
-    n = len(vae_channels)
-    vae = AutoencoderKL(
-        block_out_channels=vae_channels,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        latent_channels=4,
-        layers_per_block=1 if tiny else 2,
-        norm_num_groups=8 if tiny else 32,
-        # SDXL's VAE config: its own latent scale, decoded in float32 when run in float16
-        **({"scaling_factor": 0.13025, "force_upcast": True} if sdxl else {}),
-    )
+    # SDXL's VAE config: its own latent scale, decoded in float32 when run in float16
+    sdxl_vae = {"scaling_factor": 0.13025, "force_upcast": True} if sdxl else {}
+    vae = build_vae(model, latent_channels=4, **sdxl_vae)
     if sdxl:
         scheduler = EulerDiscreteScheduler(  # SDXL base 1.0's scheduler config
             beta_start=0.00085,
