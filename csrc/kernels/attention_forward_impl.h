@@ -117,6 +117,11 @@ struct Tiling {
   int64_t v_row_floats;  // row stride of the packed V copy (packed_v_row_floats)
 };
 
+// Where the packed V rows start in a pair's packed copy: after the packed K rows, if any.
+int64_t packed_v_offset(const AttentionParams& p, const Tiling& t) {
+  return t.pack_k ? p.len_k * p.head_dim : 0;
+}
+
 // One thread's scratch, carved from schedule.scratch_floats floats.
 struct ThreadScratch {
   float* qt;  // head_dim x block_q: scaled Q^T, zero in padding lanes
@@ -158,7 +163,7 @@ Tiling plan_tiled(const AttentionParams& p, int threads) {
   s.block_q = query_tile_for(p, threads);
   const bool packs = t.pack_k || t.pack_v;
   s.pack_tiles = packs ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
-  s.pair_floats = p.len_k * ((t.pack_k ? p.head_dim : 0) + (t.pack_v ? t.v_row_floats : 0));
+  s.pair_floats = packed_v_offset(p, t) + (t.pack_v ? p.len_k * t.v_row_floats : 0);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats = scratch_floats(p, s.block_q, t.block_k);
   return t;
@@ -189,7 +194,7 @@ void pack_key_tile(const AttentionParams& p, const Tiling& t, int64_t pair, int6
                    float* packed) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
-  float* v_rows = t.pack_k ? packed + p.len_k * p.head_dim : packed;
+  float* v_rows = packed + packed_v_offset(p, t);
   if (t.pack_k) {
     pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
               p.k_stride[3], p.head_dim, k0, count, p.head_dim, packed);
@@ -487,7 +492,7 @@ KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* p
     rows.k_row_stride = p.k_stride[2];
   }
   if (t.pack_v) {
-    rows.v = t.pack_k ? packed + p.len_k * p.head_dim : packed;
+    rows.v = packed + packed_v_offset(p, t);
     rows.v_row_stride = t.v_row_floats;
   } else {
     rows.v = static_cast<const float*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];

@@ -27,6 +27,7 @@ from .functional import scaled_dot_product_attention
 _LAZY = {
     "accelerate": "acceleration",
     "acceleration_of": "acceleration",
+    "check_acceleration": "acceleration",
     "reset_acceleration": "acceleration",
     "set_attention_strategy": "diffusers_integration",
     "reset_attention_strategy": "diffusers_integration",
@@ -73,6 +74,7 @@ __all__ = [
     "backends",
     "build_info",
     "call_counts",
+    "check_acceleration",
     "compile",
     "compiled_components",
     "default_strategy",

@@ -52,6 +52,7 @@ __all__ = [
     "accelerate",
     "accelerate_from_environment",
     "acceleration_of",
+    "check_acceleration",
     "environment_options",
     "reset_acceleration",
 ]
@@ -177,16 +178,28 @@ def accelerate(
         TypeError, ValueError: an unknown or invalid option, or a method that does not apply
             to this model family. Everything is validated before anything changes.
     """
-    if unknown:
-        raise TypeError(
-            f"accelerate got unknown options {sorted(unknown)}; valid: {', '.join(METHODS)}"
-        )
     requested = {
         "token_merging": token_merging,
         "deep_cache": deep_cache,
         "block_cache": block_cache,
         "channels_last": channels_last,
     }
+    checked = _checked_options(target, requested, unknown)
+    applied = {method: _APPLY[method](target, options) for method, options in checked.items()}
+    for method, settings in applied.items():
+        logger.info("npu_attn: %s: %s -> %s", type(target).__name__, method, settings)
+    return applied
+
+
+def _checked_options(
+    target: Any, requested: dict[str, Any], unknown: dict[str, Any]
+) -> dict[str, Any]:
+    """accelerate's options for ``target`` validated (the environment's when none is given),
+    as each method's checked options; raises as :func:`accelerate` documents."""
+    if unknown:
+        raise TypeError(
+            f"accelerate got unknown options {sorted(unknown)}; valid: {', '.join(METHODS)}"
+        )
     requested = {method: value for method, value in requested.items() if value is not None}
     if requested:
         checked = {method: _CHECK[method](target, value) for method, value in requested.items()}
@@ -200,10 +213,14 @@ def accelerate(
             "deep_cache with a diffusers cache config and block_cache both cache the "
             "transformer's blocks; choose one"
         )
-    applied = {method: _APPLY[method](target, options) for method, options in checked.items()}
-    for method, settings in applied.items():
-        logger.info("npu_attn: %s: %s -> %s", type(target).__name__, method, settings)
-    return applied
+    return checked
+
+
+def check_acceleration(target: Any, **options: Any) -> None:
+    """Validates :func:`accelerate`'s options for ``target`` without changing anything: raises
+    the ``TypeError`` or ``ValueError`` that ``accelerate(target, **options)`` would, e.g. before
+    a long run that would apply them later."""
+    _checked_options(target, {m: options.pop(m, None) for m in METHODS}, options)
 
 
 def accelerate_from_environment(target: Any) -> dict[str, dict[str, Any]]:

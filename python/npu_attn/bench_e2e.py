@@ -239,20 +239,18 @@ IMAGE_CONFIGS = (
 
 
 def check_image_configs(pipe, model: str) -> None:
-    """Applies and removes every configuration's acceleration once, before anything is timed:
+    """Checks every configuration's acceleration against the model before anything is timed:
     a method that does not apply to the model fails here, naming the configuration, instead of
     after the configurations before it have run (ConfigurationError)."""
-    from .acceleration import accelerate, reset_acceleration
+    from .acceleration import check_acceleration
 
     for label, _, options in IMAGE_CONFIGS:
-        if not options:
+        if not options:  # (no options would check the environment's)
             continue
         try:
-            accelerate(pipe, **options)
+            check_acceleration(pipe, **options)
         except (TypeError, ValueError) as e:
             raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {e}") from e
-        finally:
-            reset_acceleration(pipe)
 
 
 def run_images(args) -> dict:

@@ -267,7 +267,7 @@ def build_sd3_pipeline(model: str):
         StableDiffusion3Pipeline,
     )
 
-    overrides, _, _, vae_channels = SD3_MODELS[model]
+    overrides = SD3_MODELS[model][0]
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**overrides)
     vae = build_vae(
@@ -527,20 +527,17 @@ def requested_accelerations(args) -> dict[str, Any]:
 
 
 def check_accelerations(pipe, args) -> Optional[str]:
-    """Applies and removes the requested accelerations once, before anything runs: the error
-    message when one is invalid or does not apply to the model (e.g. DeepCache on SD3), else
-    None."""
-    from .acceleration import accelerate, reset_acceleration
+    """The error message when a requested acceleration is invalid or does not apply to the
+    model (e.g. DeepCache on SD3), checked before anything runs; else None."""
+    from .acceleration import check_acceleration
 
     options = requested_accelerations(args)
     if not options:
         return None
     try:
-        accelerate(pipe, **options)
+        check_acceleration(pipe, **options)
     except (TypeError, ValueError) as e:
         return f"{args.model if args.weights is None else args.weights}: {e}"
-    finally:
-        reset_acceleration(pipe)
     return None
 
 
@@ -569,7 +566,7 @@ def run_accelerated(pipe, args, embeds, dm) -> RunResult:
 
 def block_cache_line(state: dict[str, Any]) -> str:
     """How often First Block Cache skipped the blocks after the first (a threshold too low
-    for the run skips nothing, and the row is then exact)."""
+    for the run skips nothing, and the row then equals ``auto``'s)."""
     return (
         f"First Block Cache (threshold {state['threshold']}): the blocks after the first were "
         f"skipped on {state['skipped_calls']} of {state['calls']} transformer calls"

@@ -243,6 +243,24 @@ def test_bad_options_raise_before_anything_changes():
         npu_attn.accelerate(tiny_sd15_unet(), deep_cache=2)
 
 
+def test_check_acceleration_raises_what_accelerate_would_and_changes_nothing():
+    from diffusers import FirstBlockCacheConfig
+
+    pipe = sd15_pipeline()
+    with pytest.raises(TypeError, match=r"unknown options \['tome'\]"):
+        npu_attn.check_acceleration(pipe, tome=0.5)
+    with pytest.raises(ValueError, match="cache_interval must be >= 1"):
+        npu_attn.check_acceleration(pipe, token_merging=0.5, deep_cache=0)
+    with pytest.raises(ModelFamilyError, match="block_cache applies to transformer models"):
+        npu_attn.check_acceleration(pipe, block_cache=0.1)
+    with pytest.raises(ValueError, match="both cache the transformer's blocks; choose one"):
+        npu_attn.check_acceleration(
+            FluxLike(), deep_cache=FirstBlockCacheConfig(threshold=0.1), block_cache=0.1
+        )
+    npu_attn.check_acceleration(pipe, token_merging=0.5, deep_cache=3, channels_last=True)
+    assert npu_attn.acceleration_of(pipe) == {}  # valid options are not applied
+
+
 # --------------------------------------------------------------------------- block cache
 @pytest.mark.parametrize("make", [sd3_pipeline, hidream_pipeline], ids=["sd3", "hidream"])
 def test_block_cache_one_call_one_undo_and_environment(make, monkeypatch):
