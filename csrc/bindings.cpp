@@ -15,6 +15,7 @@
 
 #include "attention.h"
 #include "dispatch.h"
+#include "heap_policy.h"
 #include "system_info.h"
 #include "workspace.h"
 
@@ -345,8 +346,17 @@ PYBIND11_MODULE(_C, m) {
     d["peak_rss_bytes"] = mem.peak_rss_bytes;
     d["workspace_bytes"] = mem.workspace_bytes;
     d["workspace_peak_bytes"] = mem.workspace_peak_bytes;
+    const npu_attn::HeapStats heap = npu_attn::heap_stats();
+    d["heap_mmapped_bytes"] = heap.mmapped_bytes;
+    d["heap_free_bytes"] = heap.free_bytes;
+    d["heap_reuse"] = npu_attn::heap_reuse_enabled();
     return d;
   });
+  m.def("heap_reuse_supported", &npu_attn::heap_reuse_supported);
+  m.def("set_heap_reuse", &npu_attn::set_heap_reuse, py::arg("enabled"),
+        "Large CPU blocks from the heap and freed memory kept (true), or glibc's defaults "
+        "(false); returns false where the C heap is not glibc's.");
+  m.def("release_free_heap", &npu_attn::release_free_heap);
   m.def("build_info", &build_info);
   m.def(
       "peak_gflops",

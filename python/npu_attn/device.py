@@ -256,6 +256,8 @@ class DeviceManager:
                 "peak_rss_bytes": m["peak_rss_bytes"],
                 "workspace_bytes": m["workspace_bytes"],
                 "workspace_peak_bytes": m["workspace_peak_bytes"],
+                "heap_free_bytes": m["heap_free_bytes"],  # kept for reuse (reuse_cpu_memory)
+                "heap_reuse": m["heap_reuse"],
                 "system_total_bytes": m["total_bytes"],
                 "system_available_bytes": m["available_bytes"],
             }
@@ -271,10 +273,18 @@ class DeviceManager:
         return f"[{stats['device']}] " + ", ".join(parts)
 
     def empty_cache(self) -> None:
-        """Release cached device memory (accelerators) / run the garbage collector (CPU)."""
+        """Release cached device memory (accelerators) / run the garbage collector and return
+        the C heap's free memory to the OS (CPU; see :meth:`reuse_cpu_memory`)."""
         gc.collect()
         if self.device.type != "cpu":
             self.probe.empty_cache(self.device)
+        else:
+            _runtime.release_cpu_memory()
+
+    def reuse_cpu_memory(self, enabled: bool = True) -> None:
+        """Keep freed CPU memory for reuse between steps: :func:`npu_attn.reuse_cpu_memory`
+        (process-wide; CPU tensors on any device type)."""
+        _runtime.reuse_cpu_memory(enabled)
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""

@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "dispatch.h"
+#include "heap_policy.h"
 #include "system_info.h"
 #include "workspace.h"
 
@@ -44,6 +46,38 @@ TEST(SystemInfo, MemoryFactsAreConsistent) {
   float* block = workspace_alloc_floats(1 << 20);
   EXPECT_GE(query_memory_info().workspace_bytes, int64_t{4} << 20);
   workspace_free_floats(block, 1 << 20);
+}
+
+// A 64 MiB block: mapped with mmap under glibc's defaults; with heap reuse on it comes from the
+// heap and stays in the process when freed (for the next step); off again returns it to the OS.
+TEST(HeapPolicy, ReuseServesLargeBlocksFromTheHeapAndKeepsThem) {
+  if (!heap_reuse_supported()) {
+    GTEST_SKIP() << "the C heap is not glibc's here (a sanitizer's allocator or another libc): "
+                    "its policy cannot be changed";
+  }
+  constexpr int64_t kBlock = int64_t{64} << 20;
+  auto touched_block = [] {
+    char* p = static_cast<char*>(std::malloc(kBlock));
+    std::memset(p, 1, kBlock);  // every page resident
+    return p;
+  };
+  ASSERT_TRUE(set_heap_reuse(false));
+  const int64_t mmapped_before = heap_stats().mmapped_bytes;
+  char* mapped = touched_block();
+  EXPECT_GE(heap_stats().mmapped_bytes - mmapped_before, kBlock);
+  std::free(mapped);
+
+  ASSERT_TRUE(set_heap_reuse(true));
+  EXPECT_TRUE(heap_reuse_enabled());
+  char* from_heap = touched_block();
+  EXPECT_EQ(heap_stats().mmapped_bytes, mmapped_before);
+  std::free(from_heap);
+  EXPECT_GE(heap_stats().free_bytes, kBlock);  // kept
+  const int64_t rss_kept = query_memory_info().rss_bytes;
+
+  ASSERT_TRUE(set_heap_reuse(false));
+  EXPECT_FALSE(heap_reuse_enabled());
+  EXPECT_LE(query_memory_info().rss_bytes, rss_kept - kBlock / 2);  // returned to the OS
 }
 
 }  // namespace

@@ -151,3 +151,22 @@ def test_sd_images_still_run(tmp_path):
     report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
     assert report["scheduler"] == "DDIMScheduler"
     assert list(report["seconds_per_image"]) == LABELS
+
+
+def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():
+    """The step benchmark's ``+ heap reuse`` row: reuse on and one untimed call first (the
+    first step after switching fills the heap); every other row: reuse off, nothing extra."""
+    import npu_attn
+    from npu_attn import _C
+    from npu_attn.bench_e2e import FROZEN, REUSE, _set_heap_reuse
+
+    if not _C.heap_reuse_supported():
+        pytest.skip("the C heap is not glibc's in this process: no heap reuse row")
+    calls = []
+    try:
+        _set_heap_reuse(f"compiled tiled{FROZEN}{REUSE}", lambda: calls.append("reuse"))
+        assert npu_attn.cpu_memory_reuse_enabled() and calls == ["reuse"]
+        _set_heap_reuse(f"compiled tiled{FROZEN}", lambda: calls.append("frozen"))
+        assert not npu_attn.cpu_memory_reuse_enabled() and calls == ["reuse"]
+    finally:
+        npu_attn.reuse_cpu_memory(False)

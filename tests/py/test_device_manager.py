@@ -263,3 +263,50 @@ def test_doctor_text_and_failure_exit_code(monkeypatch, capsys):
     monkeypatch.setitem(strategies.RUNNERS, "vanilla", broken)
     assert doctor.main([]) == 1
     assert "vanilla  available, self-test FAILED" in capsys.readouterr().out
+
+
+@pytest.fixture
+def heap_reuse_off():
+    """Every heap-policy test starts and ends with glibc's defaults (the policy is
+    process-wide)."""
+    if not _C.heap_reuse_supported():
+        pytest.skip("the C heap is not glibc's in this process: its policy cannot be changed")
+    npu_attn.reuse_cpu_memory(False)
+    yield
+    npu_attn.reuse_cpu_memory(False)
+
+
+def test_reuse_cpu_memory_keeps_large_tensors_off_mmap_and_releases_on_request(heap_reuse_off):
+    """A 96 MiB tensor (an SD-1.5 feed-forward activation is 84 MB): mapped afresh under
+    glibc's defaults; with reuse on it comes from the heap, and freeing it keeps the memory
+    (reported by memory_stats) until empty_cache() returns it to the OS."""
+    dm = DeviceManager("cpu")
+    numel = 24 << 20  # 96 MiB of float32
+    mapped_before = _C.memory_info()["heap_mmapped_bytes"]
+    t = torch.ones(numel)
+    assert _C.memory_info()["heap_mmapped_bytes"] - mapped_before >= 4 * numel
+    del t
+
+    dm.reuse_cpu_memory(True)
+    assert npu_attn.cpu_memory_reuse_enabled() and dm.memory_stats()["heap_reuse"]
+    t = torch.ones(numel)
+    assert _C.memory_info()["heap_mmapped_bytes"] == mapped_before
+    del t
+    assert dm.memory_stats()["heap_free_bytes"] >= 4 * numel  # kept for the next step
+    rss_kept = dm.memory_stats()["rss_bytes"]
+    dm.empty_cache()
+    assert dm.memory_stats()["rss_bytes"] <= rss_kept - 2 * numel  # returned to the OS
+    assert npu_attn.cpu_memory_reuse_enabled()  # the setting stays
+
+
+def test_reuse_cpu_memory_does_not_change_results(heap_reuse_off):
+    q = torch.randn(2, 4, 333, 40)
+    want = npu_attn.scaled_dot_product_attention(q, q, q)
+    npu_attn.reuse_cpu_memory(True)
+    for _ in range(2):  # the second call runs in memory the first one freed
+        torch.testing.assert_close(npu_attn.scaled_dot_product_attention(q, q, q), want)
+
+
+def test_reuse_cpu_memory_takes_a_bool():
+    with pytest.raises(TypeError, match="enabled must be a bool, got str"):
+        npu_attn.reuse_cpu_memory("yes")
