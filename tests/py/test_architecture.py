@@ -41,6 +41,7 @@ LAYERS = [
         "diffusers_integration",
         "diffusers_backend",
         "graph_mode",
+        "_frozen_linear",
         "token_merging",
         "deep_cache",
         "acceleration",

@@ -125,3 +125,20 @@ def test_float32_linears_is_validated():
         npu_attn.compile(mlp(), None, freeze=True, float32_linears="fastest")
     with pytest.raises(ValueError, match="applies to frozen graphs only: pass freeze=True"):
         npu_attn.compile(mlp(), None, float32_linears="onednn")
+
+
+def test_a_frozen_unet_with_onednn_linears_matches_eager(recorder):
+    """A real diffusers UNet (tiny config, encoder attention mask), tiled attention, every
+    float32 linear on oneDNN: the compiled output equals the eager one to float32 rounding."""
+    from tiny_models import tiny_unet, unet_inputs
+
+    model = tiny_unet()
+    inputs = unet_inputs(masks=True)
+    npu_attn.set_attention_strategy(model, "tiled")
+    with torch.no_grad():
+        eager = model(**inputs).sample
+    npu_attn.compile(model, "tiled", freeze=True, float32_linears="onednn", show_progress=False)
+    with torch.no_grad():
+        compiled = model(**inputs).sample
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert ONEDNN in recorder.linears and MKL not in recorder.linears
