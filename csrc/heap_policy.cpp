@@ -27,9 +27,15 @@ namespace {
 std::atomic<bool> g_heap_reuse{false};
 
 #if defined(NPU_ATTN_GLIBC_HEAP)
-// glibc's defaults (malloc/malloc.c: DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD).
-constexpr int kDefaultMmapMax = 65536;
-constexpr int kDefaultTrimThreshold = 128 * 1024;
+constexpr int kDefaultMmapMax = 65536;  // glibc's DEFAULT_MMAP_MAX
+// Turning reuse off cannot restore glibc's start-up state: any mallopt call ends glibc's own
+// adjustment of its thresholds for good. Glibc raises the mmap threshold to the largest freed
+// mmapped block, up to DEFAULT_MMAP_THRESHOLD_MAX (32 MiB on 64-bit), and the trim threshold to
+// twice that; a diffusion process gets there within its first step (it frees 21-31 MB float32
+// activations). Off therefore sets those steady-state values: code run with reuse off gets
+// (near enough) the thresholds it would have in a process that never called this.
+constexpr int kSteadyMmapThreshold = 32 << 20;
+constexpr int kSteadyTrimThreshold = 2 * kSteadyMmapThreshold;
 #endif
 
 }  // namespace
@@ -48,8 +54,10 @@ bool set_heap_reuse(bool enabled) {
     mallopt(M_MMAP_MAX, 0);
     mallopt(M_TRIM_THRESHOLD, INT_MAX);
   } else {
+    if (!g_heap_reuse.load()) return true;  // never on: glibc's own policy stays untouched
     mallopt(M_MMAP_MAX, kDefaultMmapMax);
-    mallopt(M_TRIM_THRESHOLD, kDefaultTrimThreshold);
+    mallopt(M_MMAP_THRESHOLD, kSteadyMmapThreshold);
+    mallopt(M_TRIM_THRESHOLD, kSteadyTrimThreshold);
     malloc_trim(0);
   }
   g_heap_reuse.store(enabled);

@@ -15,9 +15,10 @@ namespace npu_attn {
 bool heap_reuse_supported();
 
 // On: large blocks from the heap, freed memory kept (mallopt M_MMAP_MAX = 0 and
-// M_TRIM_THRESHOLD = its maximum). Off: glibc's default limits again (mmap for large blocks,
-// trim above 128 KiB) and the kept free memory returned to the OS. Returns false, changing
-// nothing, where heap_reuse_supported() is false.
+// M_TRIM_THRESHOLD = its maximum). Off after on: mmap for blocks above 32 MiB and trim above
+// 64 MiB (glibc's own thresholds once a process has freed large blocks; see heap_policy.cpp),
+// and the kept free memory returned to the OS. Off while not on changes nothing. Returns
+// false, changing nothing, where heap_reuse_supported() is false.
 bool set_heap_reuse(bool enabled);
 bool heap_reuse_enabled();
 

@@ -121,6 +121,11 @@ def reuse_cpu_memory(enabled: bool = True) -> None:
     :func:`release_cpu_memory` (or ``DeviceManager.empty_cache()``) or ``False`` here returns
     the free memory to the OS.
 
+    ``False`` after ``True`` sets glibc's thresholds to the values glibc itself reaches once a
+    process has freed large blocks (mmap above 32 MiB, trim above 64 MiB): any change ends
+    glibc's own adjustment, so its start-up values would be slower than never calling this.
+    ``False`` while reuse is off changes nothing.
+
     Raises:
         TypeError: ``enabled`` is not a bool.
         RuntimeError: enabling where the C heap is not glibc's (another libc, or a sanitizer's
