@@ -2,9 +2,9 @@
 // policy. A diffusion step allocates and frees tens of megabytes per layer (an SD-1.5 UNet's
 // feed-forward at 512px: 84 MB in float32). glibc serves blocks that large with mmap and unmaps
 // them when freed, so every step maps fresh pages and takes a page fault (and a zeroed page) per
-// 4 KiB on first touch: ~5% of a float32 SD-1.5 step on a 2-core Zen 4. With heap reuse on,
-// large blocks come from the heap and freed memory stays in the process for the next step,
-// as a caching allocator would keep it on an accelerator.
+// 4 KiB on first touch: 1.5% of a frozen float32 SD-1.5 step on a 2-core Zen 4. With heap
+// reuse on, large blocks come from the heap and freed memory stays in the process for the next
+// step, as a caching allocator would keep it on an accelerator.
 #pragma once
 
 #include <cstdint>

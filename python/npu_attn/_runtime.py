@@ -116,7 +116,7 @@ def reuse_cpu_memory(enabled: bool = True) -> None:
     512px: 84 MB in float32). glibc maps blocks that large afresh on every allocation and
     unmaps them when freed, so each step pays a page fault per 4 KiB on first touch; with
     reuse on they come from the heap and stay there between steps, as a caching allocator
-    keeps them on an accelerator (measured: a frozen float32 SD-1.5 UNet step ~5% faster on
+    keeps them on an accelerator (measured: a frozen float32 SD-1.5 UNet step 1.5% faster on
     a 2-core Zen 4; BENCHMARKS.md). The cost: the process keeps its peak heap size until
     :func:`release_cpu_memory` (or ``DeviceManager.empty_cache()``) or ``False`` here returns
     the free memory to the OS.
