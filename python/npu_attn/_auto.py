@@ -11,15 +11,14 @@ accelerators ``sdpa``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
-import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,6 +27,7 @@ import torch
 from . import _runtime
 from ._backends import npu as npu_backend
 from ._backends.base import needs_grad
+from ._timing import interleaved_medians
 
 logger = logging.getLogger("npu_attn")
 
@@ -152,7 +152,6 @@ class AutoSelector:
         """Times every candidate, interleaved; under autograd a candidate's time is forward +
         backward. Returns the choice, the medians and (inference only) the chosen output."""
         names = self.candidates(args[0], args[1])
-        times: dict[str, list[float]] = {n: [] for n in names}
         outputs = {}
 
         def run(name):
@@ -161,14 +160,10 @@ class AutoSelector:
             else:
                 outputs[name] = self._runner(name)(*args)
 
-        for name in names:  # warm-up (for inference also the result we return)
-            run(name)
-        for _ in range(self.repeats):
-            for name in names:  # interleaved: every candidate sees the same machine state
-                start = time.perf_counter()
-                run(name)
-                times[name].append(time.perf_counter() - start)
-        ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        # (the warm-up call of each also keeps, for inference, the result we return)
+        calls = {name: functools.partial(run, name) for name in names}
+        seconds = interleaved_medians(calls, self.repeats)
+        ms = {n: s * 1e3 for n, s in seconds.items()}
         choice = min(ms, key=ms.get)
         output = self._runner(choice)(*args) if training else outputs[choice]
         return {"choice": choice, "ms": ms, "_output": output}

@@ -13,14 +13,14 @@ at hand (``"auto"``), or always (``"onednn"``). Both libraries compute the same 
 from __future__ import annotations
 
 import functools
-import platform
-import statistics
-import time
 from collections import Counter
 from typing import Any, Callable, Optional
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import _C
+from ._timing import interleaved_medians
 
 FLOAT32_LINEARS = ("auto", "onednn", "mkl")
 
@@ -51,19 +51,6 @@ def _is_mkl_linear(node: torch.fx.Node) -> bool:
     return node.target in (packet, packet.default)
 
 
-def _median_seconds(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
-    """Median time of each call over interleaved rounds, after one warm-up call each."""
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(MEASURE_ROUNDS):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def measure_rows(rows: int, in_features: int, out_features: int) -> int:
     cap = int(MEASURE_FLOP_BUDGET // (2 * in_features * out_features))
     return min(rows, max(MIN_MEASURE_ROWS, cap))
@@ -83,13 +70,14 @@ def onednn_speedup(rows: int, in_features: int, out_features: int, threads: int)
     mkl_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
     onednn_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     with torch.no_grad():
-        seconds = _median_seconds(
+        seconds = interleaved_medians(
             {
                 "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl_weight, weight, bias, rows),
                 "onednn": lambda: torch.ops.mkldnn._linear_pointwise(
                     x, onednn_weight, bias, "none", [], ""
                 ),
-            }
+            },
+            MEASURE_ROUNDS,
         )
     return seconds["mkl"] / seconds["onednn"]
 
@@ -110,7 +98,7 @@ class FrozenLinearPass(CustomGraphPass):
         self.counts: Counter = Counter()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self._move_to_onednn(graph)
+        self._assign_libraries(graph)
         if self.then is not None:
             self.then(graph)
 
@@ -121,7 +109,7 @@ class FrozenLinearPass(CustomGraphPass):
             if then_uuid is None:  # a pass that cannot be identified: no caching at all
                 return None
         # "auto" decides by measuring: a graph cached on this CPU keeps its decisions.
-        extra = f"{self.choice}|{_cpu_name()}|{torch.get_num_threads()}|{then_uuid}"
+        extra = f"{self.choice}|{_C.cpu_info()['model']}|{torch.get_num_threads()}|{then_uuid}"
         return get_hash_for_files((__file__,), extra=extra)
 
     def _wants_onednn(self, rows: int, weight: torch.Tensor) -> bool:
@@ -131,7 +119,7 @@ class FrozenLinearPass(CustomGraphPass):
         speedup = onednn_speedup(rows, in_features, out_features, torch.get_num_threads())
         return speedup >= ONEDNN_MIN_SPEEDUP
 
-    def _move_to_onednn(self, graph: torch.fx.Graph) -> None:
+    def _assign_libraries(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         orphan_candidates = []
         for node in [n for n in graph.nodes if _is_mkl_linear(n)]:
@@ -165,17 +153,6 @@ def _constant(module: torch.nn.Module, node: Any) -> Optional[torch.Tensor]:
         return None
     value = getattr(module, node.target, None)
     return value if isinstance(value, torch.Tensor) else None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _register_constant(module: torch.nn.Module, tensor: torch.Tensor) -> str:

@@ -230,13 +230,22 @@ def test_environment_skips_methods_that_do_not_apply(monkeypatch, caplog):
     assert set(npu_attn.accelerate(unet)) == {"token_merging"}
 
 
-def test_bad_options_raise_before_anything_changes():
+# Options both accelerate and check_acceleration refuse on an SD-1.5 pipeline.
+BAD_SD15_OPTIONS = [
+    ({"tome": 0.5}, TypeError, r"unknown options \['tome'\]"),
+    ({"token_merging": 0.5, "deep_cache": 0}, ValueError, "cache_interval must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("options, error, message", BAD_SD15_OPTIONS)
+def test_bad_options_raise_before_anything_changes(options, error, message):
     pipe = sd15_pipeline()
-    with pytest.raises(TypeError, match=r"unknown options \['tome'\]"):
-        npu_attn.accelerate(pipe, tome=0.5)
-    with pytest.raises(ValueError, match="cache_interval must be >= 1"):
-        npu_attn.accelerate(pipe, token_merging=0.5, deep_cache=0)
+    with pytest.raises(error, match=message):
+        npu_attn.accelerate(pipe, **options)
     assert npu_attn.acceleration_of(pipe) == {}  # token merging was not applied either
+
+
+def test_options_for_another_model_family_are_refused():
     with pytest.raises(ModelFamilyError, match="token_merging applies to UNet models"):
         npu_attn.accelerate(FluxLike(), token_merging=0.5)
     with pytest.raises(ModelFamilyError, match="deep_cache needs the pipeline"):
@@ -247,10 +256,9 @@ def test_check_acceleration_raises_what_accelerate_would_and_changes_nothing():
     from diffusers import FirstBlockCacheConfig
 
     pipe = sd15_pipeline()
-    with pytest.raises(TypeError, match=r"unknown options \['tome'\]"):
-        npu_attn.check_acceleration(pipe, tome=0.5)
-    with pytest.raises(ValueError, match="cache_interval must be >= 1"):
-        npu_attn.check_acceleration(pipe, token_merging=0.5, deep_cache=0)
+    for options, error, message in BAD_SD15_OPTIONS:
+        with pytest.raises(error, match=message):
+            npu_attn.check_acceleration(pipe, **options)
     with pytest.raises(ModelFamilyError, match="block_cache applies to transformer models"):
         npu_attn.check_acceleration(pipe, block_cache=0.1)
     with pytest.raises(ValueError, match="both cache the transformer's blocks; choose one"):

@@ -22,7 +22,7 @@ from npu_attn._backends.base import AttentionCall, Backend
 PACKAGE = Path(npu_attn.__file__).parent
 
 LAYERS = [
-    {"_config", "_counts", "_memory", "_runtime", "_variant_choice", "_version", "_C"},
+    {"_config", "_counts", "_memory", "_runtime", "_timing", "_variant_choice", "_version", "_C"},
     {"ops"},
     {
         "_backends",
