@@ -155,15 +155,17 @@ def _constant(module: torch.nn.Module, node: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _register_constant(module: torch.nn.Module, tensor: torch.Tensor) -> str:
+def _register_constant(
+    module: torch.nn.Module, tensor: torch.Tensor, prefix: str = "_npu_attn_onednn_weight"
+) -> str:
     """Register ``tensor`` on the frozen graph's module as inductor's constant folding does
-    (a buffer, marked as a frozen parameter) under a fresh name."""
+    (a buffer, marked as a frozen parameter) under a fresh name starting with ``prefix``."""
     from torch._inductor.freezing_utils import maybe_set_is_frozen_param
 
     index = 0
-    while hasattr(module, f"_npu_attn_onednn_weight{index}"):
+    while hasattr(module, f"{prefix}{index}"):
         index += 1
-    name = f"_npu_attn_onednn_weight{index}"
+    name = f"{prefix}{index}"
     module.register_buffer(name, tensor)
     maybe_set_is_frozen_param(tensor)
     return name

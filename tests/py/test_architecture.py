@@ -23,7 +23,7 @@ PACKAGE = Path(npu_attn.__file__).parent
 
 LAYERS = [
     {"_config", "_counts", "_memory", "_runtime", "_timing", "_variant_choice", "_version", "_C"},
-    {"ops"},
+    {"ops", "winograd"},
     {
         "_backends",
         "_backends.base",
@@ -42,6 +42,7 @@ LAYERS = [
         "diffusers_backend",
         "graph_mode",
         "_frozen_linear",
+        "_frozen_conv",
         "token_merging",
         "deep_cache",
         "acceleration",

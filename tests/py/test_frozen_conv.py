@@ -1,0 +1,201 @@
+"""Frozen graphs: which algorithm computes the float32 3x3 convolutions (npu_attn.compile's
+``float32_convs``). The graph inductor lowers is read with a post-grad pre-pass of the test's
+own, set where a user would set one (``torch._inductor.config.post_grad_custom_pre_pass``):
+npu_attn's pass runs first and hands over to it, so the test also checks that a user's pass
+still runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import npu_attn
+from npu_attn import _frozen_conv
+
+DIRECT, WINOGRAD = "mkldnn._convolution_pointwise.default", "npu_attn.winograd_conv3x3.default"
+
+
+class ConvRecorder(CustomGraphPass):
+    """Records the convolution ops of each graph inductor lowers, and the module buffers no
+    node reads (constants left behind)."""
+
+    def __init__(self) -> None:
+        self.convs: list[str] = []
+        self.unread_buffers: set[str] = set()
+        self.winograd_weights: list[torch.Tensor] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        module = graph.owning_module
+        for node in graph.nodes:
+            if node.op == "call_function" and str(node.target) in (DIRECT, WINOGRAD):
+                self.convs.append(str(node.target))
+                if str(node.target) == WINOGRAD:
+                    self.winograd_weights.append(getattr(module, node.args[1].target))
+        read = {n.target for n in graph.nodes if n.op == "get_attr"}
+        self.unread_buffers |= {name for name, _ in module.named_buffers()} - read
+
+    def uuid(self):
+        return None  # no caching: every compile lowers (and records) its graph
+
+
+@pytest.fixture
+def recorder():
+    torch._dynamo.reset()
+    pass_ = ConvRecorder()
+    with inductor_config.patch(post_grad_custom_pre_pass=pass_):
+        yield pass_
+    torch._dynamo.reset()
+
+
+class ConvNet(torch.nn.Module):
+    """Two Winograd-eligible 3x3 convolutions (one feeding an activation, one a residual add)
+    and two that are not (stride 2; 1x1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.second = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.down = torch.nn.Conv2d(16, 16, 3, stride=2, padding=1)
+        self.project = torch.nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.first(x))
+        h = h + self.second(h)
+        return self.project(self.down(h))
+
+
+def conv_net(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ConvNet().eval().to(dtype)
+
+
+def frozen_and_eager(model, x, **options):
+    npu_attn.compile(model, None, freeze=True, **options)
+    with torch.no_grad():
+        compiled = model(x)
+    npu_attn.reset_compile(model)
+    with torch.no_grad():
+        eager = model(x)
+    return compiled, eager
+
+
+@pytest.mark.parametrize("choice", ["winograd", "direct"])
+def test_frozen_float32_convs_run_on_the_chosen_algorithm(choice, recorder, capsys):
+    x = torch.randn(2, 8, 18, 13)
+    compiled, eager = frozen_and_eager(conv_net(), x, float32_convs=choice)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    eligible = WINOGRAD if choice == "winograd" else DIRECT
+    assert sorted(recorder.convs) == sorted([eligible, eligible, DIRECT, DIRECT])
+    # the replaced convolutions' oneDNN-packed weights are gone from the graph's module
+    assert recorder.unread_buffers == set()
+    err = capsys.readouterr().err
+    if choice == "winograd":
+        assert "float32 3x3 convolutions: 2 Winograd, 0 direct (winograd)" in err
+    else:  # nothing was looked at, nothing is reported
+        assert "3x3 convolutions" not in err
+
+
+def test_auto_takes_winograd_for_the_shapes_measured_faster(recorder, monkeypatch, capsys):
+    """ "auto" follows the measurement per shape: faked here (one shape 2x faster with
+    Winograd, one only 5% faster, under the 10% bar), because which wins is the machine's."""
+    seen = []
+
+    def fake_speedup(n, c, k, h, w, threads):
+        seen.append((n, c, k, h, w, threads))
+        return 2.0 if c == 8 else 1.05
+
+    monkeypatch.setattr(_frozen_conv, "winograd_speedup", fake_speedup)
+    x = torch.randn(3, 8, 10, 10)
+    compiled, eager = frozen_and_eager(conv_net(), x)  # float32_convs="auto" by default
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert recorder.convs.count(WINOGRAD) == 1 and recorder.convs.count(DIRECT) == 3
+    threads = torch.get_num_threads()
+    assert sorted(seen) == [(3, 8, 16, 10, 10, threads), (3, 16, 16, 10, 10, threads)]
+    assert "float32 3x3 convolutions: 1 Winograd, 1 direct (auto)" in capsys.readouterr().err
+
+
+def test_winograd_speedup_is_measured_once_per_shape():
+    _frozen_conv.winograd_speedup.cache_clear()
+    first = _frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1)
+    assert math.isfinite(first) and first > 0
+    assert _frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1) == first
+    info = _frozen_conv.winograd_speedup.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
+
+
+def test_measurement_batch_keeps_one_call_small():
+    batch = _frozen_conv.measure_batch
+    assert batch(2, 320, 320, 64, 64) == 2  # a SD-1.5 UNet convolution: the real batch
+    per_image = 2 * 320 * 320 * 32 * 32 * 9
+    assert batch(16, 320, 320, 32, 32) == int(16e9 // per_image) == 8  # cut to the budget
+    assert batch(4, 512, 512, 128, 128) == 1  # a 1024x1024 VAE convolution: one image
+
+
+def test_recompiling_shares_the_transformed_weights(recorder):
+    """A second frozen graph of the same weights (here: another module sharing them) holds
+    the same transformed tensors, not a second copy 4x the kernels' size."""
+    first, second = conv_net(), conv_net()
+    second.load_state_dict(first.state_dict())
+    x = torch.randn(1, 8, 12, 12)
+    for model in (first, second):
+        frozen_and_eager(model, x, float32_convs="winograd")
+    weights = recorder.winograd_weights
+    assert len(weights) == 4
+    assert weights[0] is weights[2] and weights[1] is weights[3]
+
+
+def test_bfloat16_convs_are_left_to_onednn(recorder, capsys):
+    x = torch.randn(2, 8, 12, 12, dtype=torch.bfloat16)
+    compiled, eager = frozen_and_eager(conv_net(torch.bfloat16), x, float32_convs="winograd")
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
+    assert WINOGRAD not in recorder.convs
+    assert "3x3 convolutions" not in capsys.readouterr().err
+
+
+def test_float32_convs_is_validated():
+    with pytest.raises(ValueError, match="float32_convs must be one of 'auto', 'winograd'"):
+        npu_attn.compile(conv_net(), None, freeze=True, float32_convs="fft")
+    with pytest.raises(ValueError, match="float32_convs='direct' applies to frozen graphs only"):
+        npu_attn.compile(conv_net(), None, float32_convs="direct")
+
+
+def test_a_frozen_unet_and_vae_decoder_with_winograd_match_eager(recorder):
+    """A real diffusers UNet (tiny config, encoder attention mask, tiled attention) and VAE
+    decoder, every eligible float32 3x3 convolution by Winograd: compiled equals eager within
+    the float32 rounding Winograd adds."""
+    from diffusers import AutoencoderKL
+
+    from tiny_models import tiny_unet, unet_inputs
+
+    model = tiny_unet()
+    inputs = unet_inputs(masks=True)
+    npu_attn.set_attention_strategy(model, "tiled")
+    with torch.no_grad():
+        eager = model(**inputs).sample
+    npu_attn.compile(model, "tiled", freeze=True, float32_convs="winograd", show_progress=False)
+    with torch.no_grad():
+        compiled = model(**inputs).sample
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert WINOGRAD in recorder.convs
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=16,
+    ).eval()
+    latents = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        eager = vae.decode(latents).sample
+    recorder.convs.clear()
+    npu_attn.compile(vae.decoder, None, freeze=True, float32_convs="winograd", show_progress=False)
+    with torch.no_grad():
+        compiled = vae.decode(latents).sample
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert WINOGRAD in recorder.convs
