@@ -13,13 +13,17 @@ at hand (``"auto"``), or always (``"onednn"``). Both libraries compute the same 
 from __future__ import annotations
 
 import functools
-from collections import Counter
-from typing import Any, Callable, Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from . import _C
+from . import _timing
+from ._frozen_graph import (
+    FrozenGraphPass,
+    add_constant,
+    check_choice,
+    constant,
+    drop_unused_constants,
+)
 from ._timing import interleaved_medians
 
 FLOAT32_LINEARS = ("auto", "onednn", "mkl")
@@ -36,12 +40,7 @@ MEASURE_ROUNDS = 5
 
 
 def check_float32_linears(value: str) -> str:
-    if value not in FLOAT32_LINEARS:
-        raise ValueError(
-            f"float32_linears must be one of {', '.join(repr(v) for v in FLOAT32_LINEARS)}, "
-            f"got {value!r}"
-        )
-    return value
+    return check_choice("float32_linears", value, FLOAT32_LINEARS)
 
 
 def _is_mkl_linear(node: torch.fx.Node) -> bool:
@@ -82,35 +81,15 @@ def onednn_speedup(rows: int, in_features: int, out_features: int, threads: int)
     return seconds["mkl"] / seconds["onednn"]
 
 
-class FrozenLinearPass(CustomGraphPass):
+class FrozenLinearPass(FrozenGraphPass):
     """Post-grad pass for frozen graphs: replaces ``mkl._mkl_linear`` nodes (float32 linears
     with MKL-packed weights) by ``mkldnn._linear_pointwise`` with oneDNN-packed weights, per
     shape where ``choice`` says so, and frees the MKL-packed constants it no longer needs.
+    ``counts``: how many linears went to each library."""
 
-    ``then`` is a post-grad pass that runs after this one (the user's own
-    ``torch._inductor.config.post_grad_custom_post_pass``, if any), so it sees the final graph.
-    ``counts`` accumulates how many linears went to each library over every graph compiled.
-    """
-
-    def __init__(self, choice: str, then: Optional[Callable] = None) -> None:
-        self.choice = check_float32_linears(choice)
-        self.then = then
-        self.counts: Counter = Counter()
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self._assign_libraries(graph)
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self) -> Optional[Any]:
-        then_uuid = None
-        if self.then is not None:
-            then_uuid = self.then.uuid() if hasattr(self.then, "uuid") else None
-            if then_uuid is None:  # a pass that cannot be identified: no caching at all
-                return None
-        # "auto" decides by measuring: a graph cached on this CPU keeps its decisions.
-        extra = f"{self.choice}|{_C.cpu_info()['model']}|{torch.get_num_threads()}|{then_uuid}"
-        return get_hash_for_files((__file__,), extra=extra)
+    OPTION = "float32_linears"
+    CHOICES = FLOAT32_LINEARS
+    FILES = (__file__, _timing.__file__)
 
     def _wants_onednn(self, rows: int, weight: torch.Tensor) -> bool:
         if self.choice != "auto":
@@ -119,12 +98,12 @@ class FrozenLinearPass(CustomGraphPass):
         speedup = onednn_speedup(rows, in_features, out_features, torch.get_num_threads())
         return speedup >= ONEDNN_MIN_SPEEDUP
 
-    def _assign_libraries(self, graph: torch.fx.Graph) -> None:
+    def rewrite(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         orphan_candidates = []
         for node in [n for n in graph.nodes if _is_mkl_linear(n)]:
             x, mkl_packed, weight_node, bias, rows = node.args
-            weight = _constant(module, weight_node)
+            weight = constant(module, weight_node)
             if weight is None or weight.dim() != 2 or not isinstance(rows, int):
                 self.counts["mkl"] += 1  # not a frozen linear of a known shape: leave it
                 continue
@@ -132,9 +111,8 @@ class FrozenLinearPass(CustomGraphPass):
                 self.counts["mkl"] += 1
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-            name = _register_constant(module, packed)
             with graph.inserting_before(node):
-                packed_node = graph.create_node("get_attr", name)
+                packed_node = add_constant(graph, packed, "_npu_attn_onednn_weight")
                 linear = graph.call_function(
                     torch.ops.mkldnn._linear_pointwise.default,
                     (x, packed_node, bias, "none", [], ""),
@@ -144,44 +122,4 @@ class FrozenLinearPass(CustomGraphPass):
             graph.erase_node(node)
             orphan_candidates += [mkl_packed, weight_node]
             self.counts["onednn"] += 1
-        _drop_unused_constants(graph, orphan_candidates)
-
-
-def _constant(module: torch.nn.Module, node: Any) -> Optional[torch.Tensor]:
-    """The tensor a get_attr node reads (None for anything else)."""
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-        return None
-    value = getattr(module, node.target, None)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _register_constant(
-    module: torch.nn.Module, tensor: torch.Tensor, prefix: str = "_npu_attn_onednn_weight"
-) -> str:
-    """Register ``tensor`` on the frozen graph's module as inductor's constant folding does
-    (a buffer, marked as a frozen parameter) under a fresh name starting with ``prefix``."""
-    from torch._inductor.freezing_utils import maybe_set_is_frozen_param
-
-    index = 0
-    while hasattr(module, f"{prefix}{index}"):
-        index += 1
-    name = f"{prefix}{index}"
-    module.register_buffer(name, tensor)
-    maybe_set_is_frozen_param(tensor)
-    return name
-
-
-def _drop_unused_constants(graph: torch.fx.Graph, candidates: list) -> None:
-    """Remove those of ``candidates`` (get_attr nodes of replaced linears: the MKL-packed and
-    the original weights) that nothing reads any more, and the module attributes behind them,
-    so their memory is freed."""
-    module = graph.owning_module
-    unused = {n for n in candidates if isinstance(n, torch.fx.Node) and n.op == "get_attr"}
-    for node in unused:
-        if node.users:
-            continue
-        target = node.target
-        graph.erase_node(node)
-        still_read = any(n.op == "get_attr" and n.target == target for n in graph.nodes)
-        if not still_read and hasattr(module, target):
-            delattr(module, target)
+        drop_unused_constants(graph, orphan_candidates)

@@ -10,8 +10,8 @@ import time
 from typing import Any, Callable
 
 
-def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median seconds of each call over ``rounds`` interleaved rounds, after one warm-up each."""
+def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call in each of ``rounds`` interleaved rounds, after one warm-up each."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -20,4 +20,9 @@ def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int) -> dic
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def interleaved_medians(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of each call over ``rounds`` interleaved rounds, after one warm-up each."""
+    return {name: statistics.median(t) for name, t in interleaved_times(calls, rounds).items()}

@@ -114,20 +114,19 @@ class _TimedFirstCall:
         # dynamo reads inductor's global freezing flag while tracing (to make the parameters
         # static), which torch.compile(options=...) does not set: patch it around the call,
         # where tracing and compilation happen. The float32 convolution and linear passes go in
-        # the same way, each followed by the user's own pass of that kind if one is set.
+        # the same way, each first in a tuple with the user's own passes of that kind, which
+        # inductor runs in order.
         from torch._inductor import config as inductor_config
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
         patches: dict[str, Any] = {"freezing": True}
         for setting, our_pass in (
             ("post_grad_custom_pre_pass", self.conv_pass),
             ("post_grad_custom_post_pass", self.linear_pass),
         ):
-            if our_pass is None:
-                continue
-            user_pass = getattr(inductor_config, setting)
-            if user_pass is not our_pass:
-                our_pass.then = user_pass
-            patches[setting] = our_pass
+            if our_pass is not None:
+                user_passes = get_custom_graph_passes(getattr(inductor_config, setting))
+                patches[setting] = (our_pass,) + tuple(p for p in user_passes if p is not our_pass)
         with inductor_config.patch(**patches):
             return self._timed(*args, **kwargs)
 
@@ -159,7 +158,7 @@ class _TimedFirstCall:
         convs = self.conv_pass.counts if self.conv_pass is not None else {}
         if convs:
             note += (
-                f"; float32 3x3 convolutions: {convs.get('winograd', 0)} Winograd, "
+                f"; float32 3x3 stride-1 convolutions: {convs.get('winograd', 0)} Winograd, "
                 f"{convs.get('direct', 0)} direct ({self.conv_pass.choice})"
             )
         linears = self.linear_pass.counts if self.linear_pass is not None else {}
@@ -254,7 +253,7 @@ def compile(
             the direct convolution's float32 rounding error, ~1e-5 of the output's largest
             magnitude; transformed weights 4x the size of the kernels), or ``"auto"``: per
             shape, Winograd where it measures at least 10% faster on this machine (each shape
-            timed once per process while compiling, ~1 s each). On an AMD Zen 4 it is
+            timed once per process while compiling, 1-5 s each). On an AMD Zen 4 it is
             1.5-2.4x faster on the SD-1.5 UNet's convolutions at 64x64 to 16x16 latents (a
             float32 step 1.27x faster). bfloat16 convolutions are never changed. The compile
             line reports the split.

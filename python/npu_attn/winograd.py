@@ -5,7 +5,7 @@ convolution already runs them near the FMA peak (~215 GFLOP/s on a 2-core Zen 4)
 multiplications make them faster. Winograd's minimal filtering algorithm (Lavin & Gray, "Fast
 Algorithms for Convolutional Neural Networks", 2015) computes each 4x4 output tile from a 6x6
 input tile with 36 multiplications per input/output channel pair instead of 144: the
-convolution becomes 36 independent GEMMs of (tiles x C) by (C x K), plus cheap linear
+convolution becomes 36 independent GEMMs of (tiles x C) by (C x K), plus linear
 transforms of the input tiles (B^T d B), the weights (G g G^T, once, when the weights are
 frozen) and the products (A^T m A).
 
@@ -45,6 +45,10 @@ OUTPUT_TILE = 4
 INPUT_TILE = 6
 KERNEL = 3
 POSITIONS = INPUT_TILE * INPUT_TILE  # independent GEMMs, one per transformed tile position
+# Intermediates of one chunk of tile rows: ~7x the input and output activations if computed at
+# once, so large images (a VAE decoder at 1024x1024: 128 channels x 1024 x 1024) go in chunks.
+# Small enough to bound that, large enough that each chunk's GEMMs have a thousand-odd rows.
+WORKSPACE_BYTES = 128 << 20
 
 # Lavin & Gray's F(4, 3) matrices with interpolation points 0, +-1, +-2 and infinity.
 _B_T = (
@@ -117,17 +121,44 @@ def _check(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> None:
         raise ValueError(
             f"bias must have shape ({weight_winograd.shape[2]},), got {tuple(bias.shape)}"
         )
+    if bias is not None and bias.dtype != torch.float32:
+        raise TypeError(f"bias must be float32 like x, got {bias.dtype}")
+    for name, tensor in (("weight_winograd", weight_winograd), ("bias", bias)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device}, x on {x.device}")
 
 
-def _input_tiles(x: Tensor, tiles_h: int, tiles_w: int) -> Tensor:
-    """The overlapping 6x6 input tiles (stride 4, one zero row/column of padding before, as many
-    as needed after), as (36, N * tiles_h * tiles_w * C): tile position major, channels
-    innermost (channels-last), which is the A operand layout the GEMMs want."""
-    n, c, h, w = x.shape
-    nhwc = x.permute(0, 2, 3, 1)
-    padded = F.pad(nhwc, (0, 0, 1, OUTPUT_TILE * tiles_w + 1 - w, 1, OUTPUT_TILE * tiles_h + 1 - h))
-    tiles = padded.unfold(1, INPUT_TILE, OUTPUT_TILE).unfold(2, INPUT_TILE, OUTPUT_TILE)
-    return tiles.permute(4, 5, 0, 1, 2, 3).reshape(POSITIONS, -1)
+def _padded_nhwc(x: Tensor, tiles_h: int, tiles_w: int) -> Tensor:
+    """x as (N, H', W', C), channels innermost (the GEMMs' operand layout), with one zero row and
+    column of padding before and as many after as the last tiles need: H' = 4 * tiles_h + 2."""
+    _, _, h, w = x.shape
+    bottom = OUTPUT_TILE * tiles_h + 1 - h
+    right = OUTPUT_TILE * tiles_w + 1 - w
+    return F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, right, 1, bottom))
+
+
+def _tile_rows_per_chunk(n: int, c: int, k: int, tiles_w: int) -> int:
+    """Tile rows computed together, so that the intermediates (input tiles, their transform, the
+    products, the output tiles) stay within WORKSPACE_BYTES."""
+    floats_per_tile = 2 * POSITIONS * c + POSITIONS * k + OUTPUT_TILE * OUTPUT_TILE * k
+    return max(1, WORKSPACE_BYTES // (4 * floats_per_tile * n * tiles_w))
+
+
+def _output_tiles(padded_rows: Tensor, weight_winograd: Tensor) -> Tensor:
+    """The 4x4 output tiles (N, rows, 4, tiles_w, 4, K) of the tile rows whose padded input rows
+    (N, 4 * rows + 2, W', C) are given."""
+    n, _, _, c = padded_rows.shape
+    k = weight_winograd.shape[2]
+    tiles = padded_rows.unfold(1, INPUT_TILE, OUTPUT_TILE).unfold(2, INPUT_TILE, OUTPUT_TILE)
+    rows, tiles_w = tiles.shape[1:3]
+    count = n * rows * tiles_w
+    # (N, rows, tiles_w, C, 6, 6) -> (36, tiles * C): tile position major, channels innermost.
+    gathered = tiles.permute(4, 5, 0, 1, 2, 3).reshape(POSITIONS, -1)
+    transformed = (_INPUT_TRANSFORM @ gathered).view(POSITIONS, count, c)
+    products = torch.bmm(transformed, weight_winograd)  # (36, tiles, K)
+    outputs = _OUTPUT_TRANSFORM @ products.view(POSITIONS, count * k)
+    # (4, 4, N, rows, tiles_w, K) -> (N, rows, 4, tiles_w, 4, K): the tiles in image order.
+    return outputs.view(OUTPUT_TILE, OUTPUT_TILE, n, rows, tiles_w, k).permute(2, 3, 0, 4, 1, 5)
 
 
 def _conv(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -135,27 +166,29 @@ def _conv(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> Tensor:
     k = weight_winograd.shape[2]
     tiles_h = -(-h // OUTPUT_TILE)
     tiles_w = -(-w // OUTPUT_TILE)
-    tiles = n * tiles_h * tiles_w
-    transformed = (_INPUT_TRANSFORM @ _input_tiles(x, tiles_h, tiles_w)).view(POSITIONS, tiles, c)
-    products = torch.bmm(transformed, weight_winograd)  # (36, tiles, K)
-    outputs = _OUTPUT_TRANSFORM @ products.view(POSITIONS, tiles * k)
-    # (4, 4, N, th, tw, K) -> (N, th, 4, tw, 4, K): the output tiles in image order.
-    blocks = outputs.view(OUTPUT_TILE, OUTPUT_TILE, n, tiles_h, tiles_w, k).permute(
-        2, 3, 0, 4, 1, 5
+    padded = _padded_nhwc(x, tiles_h, tiles_w)
+    out = torch.empty(
+        (n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last
     )
-    out = torch.empty((n, k, h, w), dtype=x.dtype, memory_format=torch.channels_last)
     out_nhwc = out.permute(0, 2, 3, 1)
-    if h == tiles_h * OUTPUT_TILE and w == tiles_w * OUTPUT_TILE:
-        target = out_nhwc.view(n, tiles_h, OUTPUT_TILE, tiles_w, OUTPUT_TILE, k)
-        source = blocks
-    else:  # ragged edge: crop the last tiles
-        target = out_nhwc
-        full = blocks.reshape(n, tiles_h * OUTPUT_TILE, tiles_w * OUTPUT_TILE, k)
-        source = full[:, :h, :w]
-    if bias is None:
-        target.copy_(source)
-    else:
-        torch.add(source, bias, out=target)
+    chunk = _tile_rows_per_chunk(n, c, k, tiles_w)
+    for first in range(0, tiles_h, chunk):
+        last = min(tiles_h, first + chunk)
+        top, bottom = OUTPUT_TILE * first, OUTPUT_TILE * last
+        blocks = _output_tiles(padded[:, top : bottom + 2], weight_winograd)
+        rows = min(bottom, h) - top
+        if rows == bottom - top and w == OUTPUT_TILE * tiles_w:
+            target = out_nhwc[:, top:bottom].view(
+                n, last - first, OUTPUT_TILE, tiles_w, OUTPUT_TILE, k
+            )
+            source = blocks
+        else:  # ragged edge: crop the last tiles
+            target = out_nhwc[:, top : top + rows]
+            source = blocks.reshape(n, bottom - top, OUTPUT_TILE * tiles_w, k)[:, :rows, :w]
+        if bias is None:
+            target.copy_(source)
+        else:
+            torch.add(source, bias, out=target)
     return out
 
 
@@ -163,7 +196,7 @@ def _conv(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> Tensor:
 def winograd_conv3x3(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``F.conv2d(x, weight, bias, stride=1, padding=1)`` for a 3x3 ``weight`` given as
     ``transform_weight(weight)``, by Winograd F(4x4, 3x3). float32 (N, C, H, W) in any layout;
-    the output is channels-last (N, K, H, W)."""
+    the output is channels-last (N, K, H, W). Inference only: the op has no gradient."""
     _check(x, weight_winograd, bias)
     return _conv(x, weight_winograd, bias)
 
@@ -179,5 +212,5 @@ def _(x, weight_winograd, bias):
 
 def conv2d_3x3(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """Convenience: ``F.conv2d(x, weight, bias, padding=1)`` by Winograd, transforming
-    ``weight`` on each call (frozen graphs transform it once)."""
+    ``weight`` on each call (frozen graphs transform it once). Inference only (no gradient)."""
     return winograd_conv3x3(x, transform_weight(weight), bias)

@@ -43,6 +43,7 @@ LAYERS = [
         "graph_mode",
         "_frozen_linear",
         "_frozen_conv",
+        "_frozen_graph",
         "token_merging",
         "deep_cache",
         "acceleration",

@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import npu_attn
+from frozen_helpers import frozen_and_eager, recording
 from npu_attn import _frozen_conv
 
 DIRECT, WINOGRAD = "mkldnn._convolution_pointwise.default", "npu_attn.winograd_conv3x3.default"
@@ -34,6 +35,7 @@ class ConvRecorder(CustomGraphPass):
             if node.op == "call_function" and str(node.target) in (DIRECT, WINOGRAD):
                 self.convs.append(str(node.target))
                 if str(node.target) == WINOGRAD:
+                    # (strong references: the identity checks need the tensors alive)
                     self.winograd_weights.append(getattr(module, node.args[1].target))
         read = {n.target for n in graph.nodes if n.op == "get_attr"}
         self.unread_buffers |= {name for name, _ in module.named_buffers()} - read
@@ -44,16 +46,14 @@ class ConvRecorder(CustomGraphPass):
 
 @pytest.fixture
 def recorder():
-    torch._dynamo.reset()
-    pass_ = ConvRecorder()
-    with inductor_config.patch(post_grad_custom_pre_pass=pass_):
+    with recording(ConvRecorder(), "post_grad_custom_pre_pass") as pass_:
         yield pass_
-    torch._dynamo.reset()
 
 
 class ConvNet(torch.nn.Module):
     """Two Winograd-eligible 3x3 convolutions (one feeding an activation, one a residual add)
-    and two that are not (stride 2; 1x1)."""
+    and four that are not, three of them with padding 1 (3x3 stride 2; 1x1 and 5x5, which
+    change the image size; 1x1 without padding)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,26 +61,18 @@ class ConvNet(torch.nn.Module):
         self.second = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
         self.down = torch.nn.Conv2d(16, 16, 3, stride=2, padding=1)
         self.project = torch.nn.Conv2d(16, 4, 1)
+        self.grow = torch.nn.Conv2d(4, 4, 1, padding=1)
+        self.shrink = torch.nn.Conv2d(4, 4, 5, padding=1)
 
     def forward(self, x):
         h = torch.nn.functional.silu(self.first(x))
         h = h + self.second(h)
-        return self.project(self.down(h))
+        return self.shrink(self.grow(self.project(self.down(h))))
 
 
 def conv_net(dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     return ConvNet().eval().to(dtype)
-
-
-def frozen_and_eager(model, x, **options):
-    npu_attn.compile(model, None, freeze=True, **options)
-    with torch.no_grad():
-        compiled = model(x)
-    npu_attn.reset_compile(model)
-    with torch.no_grad():
-        eager = model(x)
-    return compiled, eager
 
 
 @pytest.mark.parametrize("choice", ["winograd", "direct"])
@@ -89,14 +81,12 @@ def test_frozen_float32_convs_run_on_the_chosen_algorithm(choice, recorder, caps
     compiled, eager = frozen_and_eager(conv_net(), x, float32_convs=choice)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     eligible = WINOGRAD if choice == "winograd" else DIRECT
-    assert sorted(recorder.convs) == sorted([eligible, eligible, DIRECT, DIRECT])
+    assert sorted(recorder.convs) == sorted([eligible] * 2 + [DIRECT] * 4)
     # the replaced convolutions' oneDNN-packed weights are gone from the graph's module
     assert recorder.unread_buffers == set()
-    err = capsys.readouterr().err
-    if choice == "winograd":
-        assert "float32 3x3 convolutions: 2 Winograd, 0 direct (winograd)" in err
-    else:  # nothing was looked at, nothing is reported
-        assert "3x3 convolutions" not in err
+    moved = 2 if choice == "winograd" else 0
+    line = f"3x3 stride-1 convolutions: {moved} Winograd, {2 - moved} direct ({choice})"
+    assert line in capsys.readouterr().err
 
 
 def test_auto_takes_winograd_for_the_shapes_measured_faster(recorder, monkeypatch, capsys):
@@ -112,10 +102,10 @@ def test_auto_takes_winograd_for_the_shapes_measured_faster(recorder, monkeypatc
     x = torch.randn(3, 8, 10, 10)
     compiled, eager = frozen_and_eager(conv_net(), x)  # float32_convs="auto" by default
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-    assert recorder.convs.count(WINOGRAD) == 1 and recorder.convs.count(DIRECT) == 3
+    assert recorder.convs.count(WINOGRAD) == 1 and recorder.convs.count(DIRECT) == 5
     threads = torch.get_num_threads()
     assert sorted(seen) == [(3, 8, 16, 10, 10, threads), (3, 16, 16, 10, 10, threads)]
-    assert "float32 3x3 convolutions: 1 Winograd, 1 direct (auto)" in capsys.readouterr().err
+    assert "3x3 stride-1 convolutions: 1 Winograd, 1 direct (auto)" in capsys.readouterr().err
 
 
 def test_winograd_speedup_is_measured_once_per_shape():
@@ -127,25 +117,92 @@ def test_winograd_speedup_is_measured_once_per_shape():
     assert (info.hits, info.misses) == (1, 1)
 
 
-def test_measurement_batch_keeps_one_call_small():
-    batch = _frozen_conv.measure_batch
-    assert batch(2, 320, 320, 64, 64) == 2  # a SD-1.5 UNet convolution: the real batch
+def test_measurement_keeps_one_call_small_but_representative():
+    shape = _frozen_conv.measure_shape
+    assert shape(2, 320, 320, 64, 64) == (2, 64)  # a SD-1.5 UNet convolution: as it is
     per_image = 2 * 320 * 320 * 32 * 32 * 9
-    assert batch(16, 320, 320, 32, 32) == int(16e9 // per_image) == 8  # cut to the budget
-    assert batch(4, 512, 512, 128, 128) == 1  # a 1024x1024 VAE convolution: one image
+    assert shape(16, 320, 320, 32, 32) == (int(16e9 // per_image), 32) == (8, 32)  # fewer images
+    # a 512x512 VAE convolution (77 GFLOP): one image, fewer rows (whole tiles), same width
+    rows = int(16e9 // (2 * 128 * 128 * 512 * 9)) // 4 * 4
+    assert shape(1, 128, 128, 512, 512) == (1, rows) and rows < 512
+    assert shape(1, 4096, 4096, 64, 512) == (1, _frozen_conv.MIN_MEASURE_ROWS)  # the floor
+
+
+def test_a_failed_measurement_keeps_the_direct_convolution(recorder, monkeypatch):
+    def out_of_memory(*shape):
+        raise RuntimeError("not enough memory")
+
+    monkeypatch.setattr(_frozen_conv, "winograd_speedup", out_of_memory)
+    with pytest.warns(UserWarning, match="could not time Winograd .* keeping oneDNN's"):
+        compiled, eager = frozen_and_eager(conv_net(), torch.randn(1, 8, 8, 8))
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert WINOGRAD not in recorder.convs
 
 
 def test_recompiling_shares_the_transformed_weights(recorder):
-    """A second frozen graph of the same weights (here: another module sharing them) holds
-    the same transformed tensors, not a second copy 4x the kernels' size."""
-    first, second = conv_net(), conv_net()
-    second.load_state_dict(first.state_dict())
+    """A second frozen graph of the same weights (here: another module sharing their values)
+    holds the same transformed tensors, not a second copy 4x the kernels' size; other weights
+    get their own."""
+    first, same, other = conv_net(), conv_net(), conv_net()
+    same.load_state_dict(first.state_dict())
+    with torch.no_grad():
+        other.second.weight.mul_(2)
     x = torch.randn(1, 8, 12, 12)
-    for model in (first, second):
+    for model in (first, same, other):
         frozen_and_eager(model, x, float32_convs="winograd")
     weights = recorder.winograd_weights
-    assert len(weights) == 4
-    assert weights[0] is weights[2] and weights[1] is weights[3]
+    assert len(weights) == 6
+    assert weights[0] is weights[2] and weights[1] is weights[3]  # first and same
+    assert weights[4] is weights[0]  # other's first convolution: unchanged
+    assert weights[5] is not weights[1] and not torch.equal(weights[5], weights[1])
+
+
+def test_user_passes_of_every_form_still_run(monkeypatch):
+    """A user's post-grad pre-pass given as a list, or inference-aware, runs after npu_attn's
+    (it sees the Winograd nodes) with its own calling convention."""
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
+
+    class InferenceAwareRecorder(CustomInferenceAwareGraphPass):
+        def __init__(self) -> None:
+            self.calls: list[tuple[bool, int]] = []
+
+        def __call__(self, graph, is_inference):
+            winograd_nodes = [n for n in graph.nodes if str(n.target) == WINOGRAD]
+            self.calls.append((is_inference, len(winograd_nodes)))
+
+        def uuid(self):
+            return None
+
+    for form in ("list", "tuple", "single"):
+        torch._dynamo.reset()
+        recorder, aware = ConvRecorder(), InferenceAwareRecorder()
+        user_setting = {"list": [aware, recorder], "tuple": (aware, recorder)}.get(form, aware)
+        with inductor_config.patch(post_grad_custom_pre_pass=user_setting):
+            frozen_and_eager(conv_net(), torch.randn(1, 8, 8, 8), float32_convs="winograd")
+            assert inductor_config.post_grad_custom_pre_pass is user_setting  # left as it was
+        assert aware.calls == [(True, 2)], form
+        if form != "single":
+            assert recorder.convs.count(WINOGRAD) == 2, form
+    torch._dynamo.reset()
+
+
+def test_training_calls_are_not_rewritten(recorder):
+    """Calls with gradients enabled compile without freezing: nothing is frozen, so the pass
+    leaves the graph alone and backward works."""
+    model = conv_net().train()
+    npu_attn.compile(model, None, freeze=True, float32_convs="winograd", show_progress=False)
+    x = torch.randn(1, 8, 8, 8, requires_grad=True)
+    model(x).sum().backward()
+    npu_attn.reset_compile(model)
+    assert WINOGRAD not in recorder.convs
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_dynamic_shapes_keep_the_direct_convolution(recorder):
+    x = torch.randn(1, 8, 12, 12)
+    compiled, eager = frozen_and_eager(conv_net(), x, float32_convs="winograd", dynamic=True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert WINOGRAD not in recorder.convs
 
 
 def test_bfloat16_convs_are_left_to_onednn(recorder, capsys):

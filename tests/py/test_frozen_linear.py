@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import npu_attn
+from frozen_helpers import frozen_and_eager, recording
 from npu_attn import _frozen_linear
 
 MKL, ONEDNN = "mkl._mkl_linear", "mkldnn._linear_pointwise.default"
@@ -38,27 +38,14 @@ class LinearRecorder(CustomGraphPass):
 
 @pytest.fixture
 def recorder():
-    torch._dynamo.reset()
-    pass_ = LinearRecorder()
-    with inductor_config.patch(post_grad_custom_post_pass=pass_):
+    with recording(LinearRecorder(), "post_grad_custom_post_pass") as pass_:
         yield pass_
-    torch._dynamo.reset()
 
 
 def mlp(dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 48, bias=False)]
     return torch.nn.Sequential(*layers).eval().to(dtype)
-
-
-def frozen_and_eager(model, x, **options):
-    npu_attn.compile(model, None, freeze=True, **options)
-    with torch.no_grad():
-        compiled = model(x)
-    npu_attn.reset_compile(model)
-    with torch.no_grad():
-        eager = model(x)
-    return compiled, eager
 
 
 @pytest.mark.parametrize("choice", ["onednn", "mkl"])

@@ -19,6 +19,7 @@ SHAPES = [
     (1, 40, 24, 13, 17),
     (2, 64, 48, 16, 16),
     (1, 320, 32, 8, 12),
+    (2, 8, 8, 8, 9),  # tile-exact height, ragged width
 ]
 # The documented bound: largest error over the output's largest magnitude, unit-variance data.
 RELATIVE_ERROR_BOUND = 2e-5
@@ -79,6 +80,23 @@ def test_error_at_unet_channel_counts_is_a_few_times_the_direct_convolutions():
     assert rms_relative_error(ours, reference) < 8 * rms_relative_error(direct, reference)
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 8, 22, 16), (1, 8, 12, 21, 10)], ids=["exact", "ragged"])
+def test_large_images_go_in_chunks_of_tile_rows(shape, monkeypatch):
+    """Intermediates are bounded by computing a few tile rows at a time: the same result for
+    chunks of one tile row as for the whole image at once (ragged last chunk included)."""
+    n, c, k, h, w = shape
+    x = torch.randn(n, c, h, w)
+    transformed = winograd.transform_weight(torch.randn(k, c, 3, 3))
+    bias = torch.randn(k)
+    whole = winograd.winograd_conv3x3(x, transformed, bias)
+    monkeypatch.setattr(winograd, "WORKSPACE_BYTES", 1)  # one tile row per chunk
+    assert winograd._tile_rows_per_chunk(n, c, k, -(-w // 4)) == 1
+    chunked = winograd.winograd_conv3x3(x, transformed, bias)
+    # (the GEMMs' blocking differs with their row count: equal up to rounding)
+    scale = whole.abs().max().item()
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=RELATIVE_ERROR_BOUND * scale)
+
+
 def test_weights_transform_in_float64():
     weight = torch.randn(4, 3, 3, 3, dtype=torch.float64)
     transformed = winograd.transform_weight(weight)
@@ -109,5 +127,7 @@ def test_bad_input_is_named():
         op(x[:, :3], transformed, None)
     with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
         op(x, transformed, torch.randn(5))
+    with pytest.raises(TypeError, match="bias must be float32 like x, got torch.float64"):
+        op(x, transformed, torch.randn(4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"weight must have shape \(K, C, 3, 3\)"):
         winograd.transform_weight(torch.randn(4, 8, 5, 5))
