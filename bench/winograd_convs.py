@@ -3,8 +3,10 @@ graph runs) on the SD-1.5 UNet's float32 3x3 stride-1 convolutions at 512x512 wi
 the per-shape numbers behind ``npu_attn.compile(..., float32_convs="auto")``.
 
 Each shape: both calls interleaved after a warm-up, medians and minimums of ``--repeats``
-rounds, the direct convolution's GFLOP/s, the speed-up, and what "auto" would choose (it
-compares minimums against WINOGRAD_MIN_SPEEDUP). Prints a markdown table headed by the machine.
+rounds, the direct convolution's GFLOP/s, the speed-up, and what "auto" would choose from
+these full-size minimums (auto compares minimums against WINOGRAD_MIN_SPEEDUP, after cutting
+shapes over ~16 GFLOP to fewer images or rows: here the larger 64x64 and 32x32 ones, whose
+per-tile work is the same). Prints a markdown table headed by the machine.
 
     python bench/winograd_convs.py --threads 2 --repeats 7
 """

@@ -38,12 +38,13 @@ FLOAT32_CONVS = ("auto", "winograd", "direct")
 # which the opaque Winograd op cannot take (inductor fuses them into its own kernels instead,
 # one more pass over the output).
 WINOGRAD_MIN_SPEEDUP = 1.1
-# Size of the measurement convolution: the real one, cut to at most this many floating-point
+# Size of the measurement convolution: the real one, cut towards this many floating-point
 # operations per direct call (a 512x512 VAE convolution is 77-300 GFLOP) by taking fewer images,
-# then fewer image rows (whole 4-row tiles, never below MIN_MEASURE_ROWS), so both algorithms
-# still see the real channel counts and image width.
+# then fewer image rows, then fewer columns (whole 4-pixel tiles, never below MIN_MEASURE_EDGE
+# of either), so both algorithms still see the real channel counts. Only channel counts so
+# large that MIN_MEASURE_EDGE^2 pixels exceed the budget (over ~2000 x 2000) go above it.
 MEASURE_FLOP_BUDGET = 16e9
-MIN_MEASURE_ROWS = 16
+MIN_MEASURE_EDGE = 16
 MEASURE_ROUNDS = 5
 _ONES = [1, 1]  # padding, stride and dilation of the convolutions Winograd F(4x4, 3x3) computes
 
@@ -83,14 +84,19 @@ def _winograd_shape(
     return n, c, k, h, w
 
 
-def measure_shape(n: int, c: int, k: int, h: int, w: int) -> tuple[int, int]:
-    """(images, rows) of the measurement convolution for a real one of this shape."""
-    per_row = 2 * c * k * w * winograd.KERNEL * winograd.KERNEL
-    budget_rows = int(MEASURE_FLOP_BUDGET // per_row)
-    if budget_rows >= h:
-        return min(n, budget_rows // h), h
-    tile = winograd.OUTPUT_TILE
-    return 1, min(h, max(MIN_MEASURE_ROWS, budget_rows // tile * tile))
+def measure_shape(n: int, c: int, k: int, h: int, w: int) -> tuple[int, int, int]:
+    """(images, rows, columns) of the measurement convolution for a real one of this shape."""
+    per_pixel = 2 * c * k * winograd.KERNEL * winograd.KERNEL
+    budget_pixels = int(MEASURE_FLOP_BUDGET // per_pixel)
+    if budget_pixels >= h * w:
+        return min(n, budget_pixels // (h * w)), h, w
+    rows = min(h, max(MIN_MEASURE_EDGE, _whole_tiles(budget_pixels // w)))
+    columns = min(w, max(MIN_MEASURE_EDGE, _whole_tiles(budget_pixels // rows)))
+    return 1, rows, columns
+
+
+def _whole_tiles(pixels: int) -> int:
+    return pixels // winograd.OUTPUT_TILE * winograd.OUTPUT_TILE
 
 
 def time_both(n: int, c: int, k: int, h: int, w: int, rounds: int) -> dict[str, list[float]]:
@@ -125,9 +131,13 @@ def winograd_speedup(n: int, c: int, k: int, h: int, w: int, threads: int) -> fl
     only ever adds time (``threads``: the torch thread count, part of the cache key because the
     answer depends on it)."""
     del threads
-    n, h = measure_shape(n, c, k, h, w)
+    n, h, w = measure_shape(n, c, k, h, w)
     times = time_both(n, c, k, h, w, MEASURE_ROUNDS)
     return min(times["direct"]) / min(times["winograd"])
+
+
+# Shapes (with the thread count) whose measurement raised: not measured, nor warned about, again.
+_FAILED_MEASUREMENTS: set[tuple[int, ...]] = set()
 
 
 class FrozenConvPass(FrozenGraphPass):
@@ -143,9 +153,13 @@ class FrozenConvPass(FrozenGraphPass):
     def _wants_winograd(self, shape: tuple[int, int, int, int, int]) -> bool:
         if self.choice != "auto":
             return self.choice == "winograd"
+        key = (*shape, torch.get_num_threads())
+        if key in _FAILED_MEASUREMENTS:
+            return False
         try:
-            speedup = winograd_speedup(*shape, torch.get_num_threads())
+            speedup = winograd_speedup(*key)
         except RuntimeError as error:  # e.g. out of memory: the direct convolution stays
+            _FAILED_MEASUREMENTS.add(key)  # (functools.cache does not keep exceptions)
             warnings.warn(
                 f"npu_attn.compile: could not time Winograd for convolution shape {shape} "
                 f"(N, C, K, H, W), keeping oneDNN's: {error}",
@@ -168,7 +182,9 @@ class FrozenConvPass(FrozenGraphPass):
             transformed = _shared(winograd.transform_weight(packed.to_dense()))
             x, packed_node, bias = node.args[:3]
             with graph.inserting_before(node):
-                weight_node = add_constant(graph, transformed, "_npu_attn_winograd_weight")
+                weight_node = add_constant(
+                    graph, transformed, "_npu_attn_winograd_weight", x.meta["val"].fake_mode
+                )
                 conv = graph.call_function(
                     torch.ops.npu_attn.winograd_conv3x3.default, (x, weight_node, bias)
                 )
@@ -184,7 +200,7 @@ class FrozenConvPass(FrozenGraphPass):
 def _fake_output(conv: torch.fx.Node) -> torch.Tensor:
     """The Winograd node's output as its fake implementation gives it, in the graph's fake
     mode (from its inputs' fake values)."""
-    x, weight, bias = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in conv.args)
+    x, weight, bias = (a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in conv.args)
     with x.fake_mode:
         return torch.ops.npu_attn.winograd_conv3x3.default(x, weight, bias)
 

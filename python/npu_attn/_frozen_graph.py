@@ -65,10 +65,13 @@ def constant(module: torch.nn.Module, node: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def add_constant(graph: torch.fx.Graph, tensor: torch.Tensor, prefix: str) -> torch.fx.Node:
+def add_constant(
+    graph: torch.fx.Graph, tensor: torch.Tensor, prefix: str, fake_mode: Any = None
+) -> torch.fx.Node:
     """Register ``tensor`` on the frozen graph's module as inductor's constant folding does (a
     buffer, marked as a frozen parameter) under a fresh name starting with ``prefix``, and
-    return a get_attr node reading it (inserted at the graph's current insertion point)."""
+    return a get_attr node reading it (inserted at the graph's current insertion point), with
+    its fake value in ``fake_mode`` (default: the graph's)."""
     from torch._inductor.freezing_utils import maybe_set_is_frozen_param
 
     module = graph.owning_module
@@ -79,7 +82,7 @@ def add_constant(graph: torch.fx.Graph, tensor: torch.Tensor, prefix: str) -> to
     module.register_buffer(name, tensor)
     maybe_set_is_frozen_param(tensor)
     node = graph.create_node("get_attr", name)
-    fake_mode = _fake_mode(graph)
+    fake_mode = fake_mode if fake_mode is not None else _fake_mode(graph)
     if fake_mode is not None:
         node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
     return node

@@ -253,7 +253,7 @@ def compile(
             the direct convolution's float32 rounding error, ~1e-5 of the output's largest
             magnitude; transformed weights 4x the size of the kernels), or ``"auto"``: per
             shape, Winograd where it measures at least 10% faster on this machine (each shape
-            timed once per process while compiling, 1-5 s each). On an AMD Zen 4 it is
+            timed once per process while compiling, ~1-2 s each). On an AMD Zen 4 it is
             1.5-2.4x faster on the SD-1.5 UNet's convolutions at 64x64 to 16x16 latents (a
             float32 step 1.27x faster). bfloat16 convolutions are never changed. The compile
             line reports the split.

@@ -11,7 +11,7 @@ frozen) and the products (A^T m A).
 
 Measured on a 2-core AMD Zen 4 against oneDNN's prepacked direct convolution (what a frozen
 inductor graph runs), the SD-1.5 UNet's shapes at 512x512 with CFG batch 2: 1.5-2.4x faster at
-64x64, 32x32 and 16x16 latents, no faster at 8x8 (there the 4x larger transformed weights make
+64x64, 32x32 and 16x16 latents, 0.75-0.8x at 8x8 (there the 4x larger transformed weights make
 the GEMMs bandwidth-bound); ``npu_attn.compile(..., freeze=True)`` measures each shape and uses
 it only where it wins (see ``_frozen_conv``).
 
@@ -48,6 +48,7 @@ POSITIONS = INPUT_TILE * INPUT_TILE  # independent GEMMs, one per transformed ti
 # Intermediates of one chunk of tile rows: ~7x the input and output activations if computed at
 # once, so large images (a VAE decoder at 1024x1024: 128 channels x 1024 x 1024) go in chunks.
 # Small enough to bound that, large enough that each chunk's GEMMs have a thousand-odd rows.
+# (Outside the bound: one zero-padded channels-last copy of the input, ~1x its size.)
 WORKSPACE_BYTES = 128 << 20
 
 # Lavin & Gray's F(4, 3) matrices with interpolation points 0, +-1, +-2 and infinity.
@@ -164,12 +165,14 @@ def _output_tiles(padded_rows: Tensor, weight_winograd: Tensor) -> Tensor:
 def _conv(x: Tensor, weight_winograd: Tensor, bias: Optional[Tensor]) -> Tensor:
     n, c, h, w = x.shape
     k = weight_winograd.shape[2]
-    tiles_h = -(-h // OUTPUT_TILE)
-    tiles_w = -(-w // OUTPUT_TILE)
-    padded = _padded_nhwc(x, tiles_h, tiles_w)
     out = torch.empty(
         (n, k, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last
     )
+    if out.numel() == 0:
+        return out
+    tiles_h = -(-h // OUTPUT_TILE)
+    tiles_w = -(-w // OUTPUT_TILE)
+    padded = _padded_nhwc(x, tiles_h, tiles_w)
     out_nhwc = out.permute(0, 2, 3, 1)
     chunk = _tile_rows_per_chunk(n, c, k, tiles_w)
     for first in range(0, tiles_h, chunk):

@@ -119,23 +119,35 @@ def test_winograd_speedup_is_measured_once_per_shape():
 
 def test_measurement_keeps_one_call_small_but_representative():
     shape = _frozen_conv.measure_shape
-    assert shape(2, 320, 320, 64, 64) == (2, 64)  # a SD-1.5 UNet convolution: as it is
+    assert shape(2, 320, 320, 64, 64) == (2, 64, 64)  # a SD-1.5 UNet convolution: as it is
     per_image = 2 * 320 * 320 * 32 * 32 * 9
-    assert shape(16, 320, 320, 32, 32) == (int(16e9 // per_image), 32) == (8, 32)  # fewer images
+    assert shape(16, 320, 320, 32, 32) == (int(16e9 // per_image), 32, 32) == (8, 32, 32)
     # a 512x512 VAE convolution (77 GFLOP): one image, fewer rows (whole tiles), same width
-    rows = int(16e9 // (2 * 128 * 128 * 512 * 9)) // 4 * 4
-    assert shape(1, 128, 128, 512, 512) == (1, rows) and rows < 512
-    assert shape(1, 4096, 4096, 64, 512) == (1, _frozen_conv.MIN_MEASURE_ROWS)  # the floor
+    rows = int(16e9 // (2 * 128 * 128 * 9)) // 512 // 4 * 4
+    assert shape(1, 128, 128, 512, 512) == (1, rows, 512) and rows < 512
+    # huge channel counts: the rows' floor, then fewer columns, then the columns' floor
+    n, rows, columns = shape(1, 1024, 1024, 64, 512)
+    assert (n, rows) == (1, 16) and columns % 4 == 0 and 16 <= columns < 512
+    assert 2 * 1024 * 1024 * 9 * rows * columns <= 16e9
+    assert shape(1, 4096, 4096, 64, 512) == (1, 16, 16)
 
 
 def test_a_failed_measurement_keeps_the_direct_convolution(recorder, monkeypatch):
-    def out_of_memory(*shape):
+    """Warned about once per shape, not measured again for the next graph."""
+    calls = []
+
+    def out_of_memory(*key):
+        calls.append(key)
         raise RuntimeError("not enough memory")
 
     monkeypatch.setattr(_frozen_conv, "winograd_speedup", out_of_memory)
+    monkeypatch.setattr(_frozen_conv, "_FAILED_MEASUREMENTS", set())
+    x = torch.randn(1, 8, 8, 8)
     with pytest.warns(UserWarning, match="could not time Winograd .* keeping oneDNN's"):
-        compiled, eager = frozen_and_eager(conv_net(), torch.randn(1, 8, 8, 8))
+        compiled, eager = frozen_and_eager(conv_net(), x)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    frozen_and_eager(conv_net(), x)  # a second graph: the failures are remembered
+    assert len(calls) == 2  # the two eligible shapes, once each
     assert WINOGRAD not in recorder.convs
 
 
@@ -210,7 +222,7 @@ def test_bfloat16_convs_are_left_to_onednn(recorder, capsys):
     compiled, eager = frozen_and_eager(conv_net(torch.bfloat16), x, float32_convs="winograd")
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
     assert WINOGRAD not in recorder.convs
-    assert "3x3 convolutions" not in capsys.readouterr().err
+    assert "3x3 stride-1 convolutions" not in capsys.readouterr().err
 
 
 def test_float32_convs_is_validated():

@@ -80,21 +80,34 @@ def test_error_at_unet_channel_counts_is_a_few_times_the_direct_convolutions():
     assert rms_relative_error(ours, reference) < 8 * rms_relative_error(direct, reference)
 
 
-@pytest.mark.parametrize("shape", [(2, 16, 8, 22, 16), (1, 8, 12, 21, 10)], ids=["exact", "ragged"])
-def test_large_images_go_in_chunks_of_tile_rows(shape, monkeypatch):
-    """Intermediates are bounded by computing a few tile rows at a time: the same result for
-    chunks of one tile row as for the whole image at once (ragged last chunk included)."""
+@pytest.mark.parametrize(
+    ("shape", "rows_per_chunk"),
+    [((2, 16, 8, 20, 16), 1), ((1, 8, 12, 21, 10), 1), ((2, 8, 8, 20, 13), 2)],
+    ids=["tile_exact", "ragged", "two_rows_short_last_chunk"],
+)
+def test_large_images_go_in_chunks_of_tile_rows(shape, rows_per_chunk, monkeypatch):
+    """Intermediates are bounded by computing a few tile rows at a time: the same result in
+    chunks as for the whole image at once (ragged edges and a shorter last chunk included)."""
     n, c, k, h, w = shape
     x = torch.randn(n, c, h, w)
     transformed = winograd.transform_weight(torch.randn(k, c, 3, 3))
     bias = torch.randn(k)
     whole = winograd.winograd_conv3x3(x, transformed, bias)
-    monkeypatch.setattr(winograd, "WORKSPACE_BYTES", 1)  # one tile row per chunk
-    assert winograd._tile_rows_per_chunk(n, c, k, -(-w // 4)) == 1
+    tiles_w = -(-w // 4)
+    per_row = winograd.WORKSPACE_BYTES // winograd._tile_rows_per_chunk(n, c, k, tiles_w)
+    monkeypatch.setattr(winograd, "WORKSPACE_BYTES", rows_per_chunk * per_row)
+    assert winograd._tile_rows_per_chunk(n, c, k, tiles_w) == rows_per_chunk
     chunked = winograd.winograd_conv3x3(x, transformed, bias)
     # (the GEMMs' blocking differs with their row count: equal up to rounding)
     scale = whole.abs().max().item()
     torch.testing.assert_close(chunked, whole, rtol=0, atol=RELATIVE_ERROR_BOUND * scale)
+
+
+def test_empty_inputs_give_empty_outputs():
+    transformed = winograd.transform_weight(torch.randn(4, 3, 3, 3))
+    for x in (torch.randn(0, 3, 8, 8), torch.randn(2, 3, 8, 0)):
+        out = winograd.winograd_conv3x3(x, transformed, torch.randn(4))
+        assert out.shape == (x.shape[0], 4, 8, x.shape[3])
 
 
 def test_weights_transform_in_float64():
