@@ -255,7 +255,7 @@ def compile(
             shape, Winograd where it measures at least 10% faster on this machine (each shape
             timed once per process while compiling, ~1-2 s each). On an AMD Zen 4 it is
             1.5-2.4x faster on the SD-1.5 UNet's convolutions at 64x64 to 16x16 latents (a
-            float32 step 1.27x faster). bfloat16 convolutions are never changed. The compile
+            float32 step 1.25x faster). bfloat16 convolutions are never changed. The compile
             line reports the split.
         text_encoder: also compile the text encoders (their attention is not switched; they
             rarely dominate a diffusion step).
