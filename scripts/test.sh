@@ -23,7 +23,7 @@ echo "==> C++ tests on emulated CPUs (features masked in the detector)"
 # reason.
 for features in "amx_tile,amx_bf16" "avx512_bf16,amx_tile,amx_bf16" "avx512f" "avx2"; do
   NPU_ATTN_DISABLE_FEATURES="$features" build/cpp/tests/cpp/npu_attn_cpp_tests --gtest_brief=1 \
-    --gtest_filter='VariantTable.*:EmulatedCpu.*:ThisCpu.*:SystemInfo.*:Kernels/EveryIsa.MatchesReferenceOnShapeGrid/*:Kernels/LowPrecision.ForwardAndBackwardMatchTheReference/*'
+    --gtest_filter='VariantTable.*:EmulatedCpu.*:EmulatedAmx.*:ThisCpu.*:SystemInfo.*:Kernels/EveryIsa.MatchesReferenceOnShapeGrid/*:Kernels/LowPrecision.ForwardAndBackwardMatchTheReference/*'
 done
 
 echo "==> C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"

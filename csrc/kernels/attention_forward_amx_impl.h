@@ -24,7 +24,9 @@
 // configuration is per thread (loaded when a thread enters the parallel region, released when it
 // leaves); the OS permission to use AMX state is requested once per process by dispatch.cpp
 // before this variant can be selected.
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+// (tests/cpp/amx_emulation.h, included first, stands in for the tile unit in tests.)
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) || defined(NPU_ATTN_AMX_EMULATED)) || \
+    !defined(__AVX512BF16__)
 #error "attention_forward_amx_impl.h needs -mamx-tile -mamx-bf16 -mavx512bf16"
 #endif
 

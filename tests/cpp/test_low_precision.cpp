@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 
+#include "amx_emulated.h"
 #include "attention.h"
 #include "attention_cases.h"
 #include "bfloat16.h"
@@ -95,6 +97,13 @@ std::vector<Case> low_precision_shapes() {
   return cases;
 }
 
+// A forward kernel under test: a variant through the dispatcher, or an emulated one.
+using ForwardKernel = std::function<void(const AttentionParams&)>;
+
+ForwardKernel variant_forward(Isa isa) {
+  return [isa](const AttentionParams& params) { run_attention_forward(params, isa); };
+}
+
 // A problem's inputs rounded to a 16-bit type, the kernel's output and the reference's
 // (the arguments point into these tensors, so the struct is filled in place).
 struct HalfForward {
@@ -102,9 +111,10 @@ struct HalfForward {
   SdpaArguments args;  // the kernel's call: 16-bit inputs, `out`
 };
 
-// Runs the forward of `pr` in `dtype` on `isa` and on the double-precision reference, and
+// Runs the forward of `pr` in `dtype` on `kernel` and on the double-precision reference, and
 // expects them to agree within one rounding of the 16-bit type.
-void expect_forward_matches_reference(Problem& pr, DType dtype, Isa isa, HalfForward& f) {
+void expect_forward_matches_reference(Problem& pr, DType dtype, const ForwardKernel& kernel,
+                                      HalfForward& f) {
   f.q = narrow(pr.q, dtype);
   f.k = narrow(pr.k, dtype);
   f.v = narrow(pr.v, dtype);
@@ -115,7 +125,7 @@ void expect_forward_matches_reference(Problem& pr, DType dtype, Isa isa, HalfFor
   f.args.key = f.k.view(dtype);
   f.args.value = f.v.view(dtype);
   f.args.out = f.out.view(dtype);
-  run_attention_forward(make_attention_params(f.args), isa);
+  kernel(make_attention_params(f.args));
   SdpaArguments ref_args = f.args;
   ref_args.out = f.ref_out.view(dtype);
   ref_args.lse = pr.ref_lse.view(DType::kFloat32);
@@ -147,7 +157,7 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
       Problem pr;
       build(c, pr, 7);
       HalfForward f;
-      expect_forward_matches_reference(pr, dtype, GetParam(), f);
+      expect_forward_matches_reference(pr, dtype, variant_forward(GetParam()), f);
       const SdpaArguments& args = f.args;
 
       // Backward from the kernel's own forward results.
@@ -177,9 +187,9 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   }
 }
 
-// The kernel's forward of `isa` on pr's inputs narrowed to `dtype` (log-sum-exp into pr.lse).
+// `kernel`'s forward on pr's inputs narrowed to `dtype` (log-sum-exp into pr.lse).
 // The 16-bit output starts as NaN, so an element the kernel does not write shows.
-HalfTensor narrowed_forward(Problem& pr, DType dtype, Isa isa) {
+HalfTensor narrowed_forward(Problem& pr, DType dtype, const ForwardKernel& kernel) {
   HalfTensor q = narrow(pr.q, dtype), k = narrow(pr.k, dtype), v = narrow(pr.v, dtype);
   HalfTensor out = narrow(pr.out, dtype);
   for (auto& x : out.storage) x = to_bits(NAN, dtype);
@@ -188,7 +198,7 @@ HalfTensor narrowed_forward(Problem& pr, DType dtype, Isa isa) {
   args.key = k.view(dtype);
   args.value = v.view(dtype);
   args.out = out.view(dtype);
-  run_attention_forward(make_attention_params(args), isa);
+  kernel(make_attention_params(args));
   return out;
 }
 
@@ -214,32 +224,32 @@ std::vector<Case> query_group_shapes() {
   return cases;
 }
 
-TEST_P(LowPrecision, EmptyKeysGiveZerosInBfloat16) {
+// The forward-only checks, for the dispatcher's variants and the emulated AMX kernel alike.
+void expect_empty_keys_give_zeros(const ForwardKernel& kernel) {
   constexpr DType dtype = DType::kBFloat16;
   Case c{2, 8, 8, 70, 0, 64, 64};  // enough tasks for query groups of the AMX kernel
   Problem pr;
   build(c, pr, 9);
-  const HalfTensor out = narrowed_forward(pr, dtype, GetParam());
+  const HalfTensor out = narrowed_forward(pr, dtype, kernel);
   for (float x : widen(out, dtype).storage) EXPECT_EQ(x, 0.0f);
   for (float x : pr.lse.storage) EXPECT_EQ(x, -INFINITY);
 }
 
-TEST_P(LowPrecision, LargeKeyValueShapesMatchTheReferenceInBfloat16) {
-  constexpr DType dtype = DType::kBFloat16;
+void expect_query_group_shapes_match(const ForwardKernel& kernel, const std::string& name) {
   for (const Case& c : query_group_shapes()) {
-    SCOPED_TRACE(c.describe() + " isa=" + isa_name(GetParam()));
+    SCOPED_TRACE(c.describe() + " " + name);
     Problem pr;
     build(c, pr, 11);
     HalfForward f;
-    expect_forward_matches_reference(pr, dtype, GetParam(), f);
+    expect_forward_matches_reference(pr, DType::kBFloat16, kernel, f);
   }
 }
 
-TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
+void expect_masked_rows_and_nan_handled(const ForwardKernel& kernel, const std::string& name) {
   const DType dtype = DType::kBFloat16;
   Case c{1, 2, 2, 40, 70, 32, 32};
   for (int variant = 0; variant < 2; ++variant) {
-    SCOPED_TRACE(std::string(isa_name(GetParam())) + (variant ? " NaN key" : " masked rows"));
+    SCOPED_TRACE(name + (variant ? " NaN key" : " masked rows"));
     Problem pr;
     build(c, pr, 5);
     if (variant == 0) {  // rows 0, 3, 6, ... see no key: output 0, lse -inf
@@ -250,7 +260,7 @@ TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
     } else {  // one NaN key: every output NaN, like the reference
       pr.k.at({0, 1, 7, 3}) = NAN;
     }
-    const FloatTensor got = widen(narrowed_forward(pr, dtype, GetParam()), dtype);
+    const FloatTensor got = widen(narrowed_forward(pr, dtype, kernel), dtype);
     for (int64_t h = 0; h < c.heads_q; ++h) {
       for (int64_t i = 0; i < c.len_q; ++i) {
         const float first = got.storage[got.offset({0, h, i, 0})];
@@ -269,8 +279,75 @@ TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
   }
 }
 
+TEST_P(LowPrecision, EmptyKeysGiveZerosInBfloat16) {
+  expect_empty_keys_give_zeros(variant_forward(GetParam()));
+}
+
+TEST_P(LowPrecision, LargeKeyValueShapesMatchTheReferenceInBfloat16) {
+  expect_query_group_shapes_match(variant_forward(GetParam()),
+                                  std::string("isa=") + isa_name(GetParam()));
+}
+
+TEST_P(LowPrecision, FullyMaskedRowsAndNanInBfloat16) {
+  expect_masked_rows_and_nan_handled(variant_forward(GetParam()), isa_name(GetParam()));
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, LowPrecision, ::testing::ValuesIn(compiled_isas()),
                          variant_test_name);
+
+#ifdef NPU_ATTN_TEST_AMX_EMULATION
+// The AMX kernel on the software tile unit (amx_emulation.h): its tiling, packing and tile
+// configuration are checked on every CPU that runs the avx512_bf16 variant, not only on AMX
+// machines (where the LowPrecision suite runs the real one, and the last test compares both).
+class EmulatedAmx : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!isa_supported_by_cpu(Isa::avx512_bf16)) {
+      GTEST_SKIP() << "the emulated AMX kernel is built for the avx512_bf16 variant, which this "
+                      "CPU cannot run (needs "
+                   << kernel_variant(Isa::avx512_bf16).needs << ")";
+    }
+  }
+  const ForwardKernel kernel_ = attention_forward_amx_emulated;
+};
+
+TEST_F(EmulatedAmx, ForwardMatchesTheReferenceInBfloat16) {
+  for (const Case& c : low_precision_shapes()) {
+    SCOPED_TRACE(c.describe() + " emulated AMX");
+    Problem pr;
+    build(c, pr, 7);
+    HalfForward f;
+    expect_forward_matches_reference(pr, DType::kBFloat16, kernel_, f);
+  }
+  expect_query_group_shapes_match(kernel_, "emulated AMX");
+}
+
+TEST_F(EmulatedAmx, EmptyKeysMaskedRowsAndNan) {
+  expect_empty_keys_give_zeros(kernel_);
+  expect_masked_rows_and_nan_handled(kernel_, "emulated AMX");
+}
+
+// On an AMX machine: the emulation computes what the tile unit computes (up to the order of
+// float32 additions inside tdpbf16ps, far below one bfloat16 rounding of the output).
+TEST_F(EmulatedAmx, AgreesWithTheTileUnit) {
+  if (!isa_supported_by_cpu(Isa::amx_bf16)) {
+    GTEST_SKIP() << "this CPU has no AMX to compare the emulation with (needs "
+                 << kernel_variant(Isa::amx_bf16).needs << ")";
+  }
+  for (const Case& c : low_precision_shapes()) {
+    SCOPED_TRACE(c.describe());
+    Problem hardware, emulated;
+    build(c, hardware, 3);
+    build(c, emulated, 3);
+    const FloatTensor a =
+        widen(narrowed_forward(hardware, DType::kBFloat16, variant_forward(Isa::amx_bf16)),
+              DType::kBFloat16);
+    const FloatTensor b =
+        widen(narrowed_forward(emulated, DType::kBFloat16, kernel_), DType::kBFloat16);
+    EXPECT_LE(max_abs_diff(a, b), unit_roundoff(DType::kBFloat16) * std::max(1.0, max_abs(b)));
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace npu_attn::testing

@@ -1,0 +1,12 @@
+// The AMX kernels compiled against the software tile unit (amx_emulation.h), for tests on CPUs
+// without AMX. Defined in amx_emulated_kernels.cpp, which is built with the avx512_bf16
+// variant's flags: call only where that variant runs (isa_supported_by_cpu(Isa::avx512_bf16)).
+#pragma once
+
+#include "attention_params.h"
+
+namespace npu_attn::testing {
+
+void attention_forward_amx_emulated(const AttentionParams& params);
+
+}  // namespace npu_attn::testing
