@@ -180,6 +180,7 @@ py::list variant_table() {
     row["needs"] = v.needs;
     row["runnable"] = v.runs_on(npu_attn::cpu_features());
     row["forward_kernel"] = kernels;
+    row["backward_from"] = v.backward_from;
     rows.append(row);
   }
   return rows;
@@ -300,6 +301,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("name"), py::arg("dtype") = py::none(), py::arg("shape_class") = py::none(),
       "Make `name` the active variant for `dtype` and `shape_class` (default: all).");
+  m.def(
+      "active_backward_isa",
+      [](const std::string& dtype, const std::string& shape) {
+        return std::string(npu_attn::isa_name(
+            npu_attn::active_backward_isa(element_from_name(dtype), shape_class_from_name(shape))));
+      },
+      py::arg("dtype") = "float32", py::arg("shape_class") = "self-attention");
+  m.def(
+      "set_backward_isa",
+      [](const std::string& name, const std::string& dtype) {
+        npu_attn::set_active_backward_isa(isa_from_name(name), element_from_name(dtype));
+      },
+      py::arg("name"), py::arg("dtype"),
+      "Make `name` the variant of `dtype`'s backward calls (set_isa(name) resets it).");
   m.def("shape_classes", [] {
     std::vector<std::string> names;
     for (int i = 0; i < npu_attn::kShapeClassCount; ++i)

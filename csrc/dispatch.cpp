@@ -56,6 +56,7 @@ std::vector<KernelVariant> build_table() {
                                      required_features(rows, #builds_on, features),       \
                                      kernels::attention_forward_##forward_from,           \
                                      kernels::attention_backward_##backward_from,         \
+                                     #backward_from,                                      \
                                      kernels::peak_gflops_##peak_from,                    \
                                      {fp32_kernel, bf16_kernel, fp16_kernel}});)
 #include "kernels/variants.def"
@@ -66,6 +67,8 @@ std::vector<KernelVariant> build_table() {
 // The variant active per (element type, shape class); -1 until first use.
 std::atomic<int> g_active[kElementTypeCount][kShapeClassCount] = {
     {-1, -1, -1}, {-1, -1, -1}, {-1, -1, -1}};
+// The backward's variant per element type; -1: the forward's (g_active).
+std::atomic<int> g_active_backward[kElementTypeCount] = {-1, -1, -1};
 
 int index_of(ElementType element) {
   return static_cast<int>(element);
@@ -244,7 +247,20 @@ void set_active_isa(Isa isa, ElementType element) {
 }
 
 void set_active_isa(Isa isa) {
-  for (int e = 0; e < kElementTypeCount; ++e) set_active_isa(isa, static_cast<ElementType>(e));
+  for (int e = 0; e < kElementTypeCount; ++e) {
+    set_active_isa(isa, static_cast<ElementType>(e));
+    g_active_backward[e].store(-1);
+  }
+}
+
+Isa active_backward_isa(ElementType element, ShapeClass shape) {
+  const int chosen = g_active_backward[index_of(element)].load();
+  return chosen < 0 ? active_isa(element, shape) : static_cast<Isa>(chosen);
+}
+
+void set_active_backward_isa(Isa isa, ElementType element) {
+  runnable_variant(isa);  // throws if this CPU cannot run it
+  g_active_backward[index_of(element)].store(static_cast<int>(isa));
 }
 
 void run_attention_forward(const AttentionParams& params) {
@@ -256,7 +272,7 @@ void run_attention_forward(const AttentionParams& params, Isa isa) {
 }
 
 void run_attention_backward(const AttentionBackwardParams& params) {
-  run_attention_backward(params, active_isa(params.fwd.element, shape_class(params.fwd)));
+  run_attention_backward(params, active_backward_isa(params.fwd.element, shape_class(params.fwd)));
 }
 
 void run_attention_backward(const AttentionBackwardParams& params, Isa isa) {

@@ -53,6 +53,9 @@ struct KernelVariant {
   bool runs_on(const CpuFeatures& features) const;
   void (*forward)(const AttentionParams& params);
   void (*backward)(const AttentionBackwardParams& params);
+  // The variant whose backward this row runs (variants.def's backward_from): rows with equal
+  // entries run the same backward code.
+  const char* backward_from;
   // Measured peak GFLOP/s of the compute path the forward kernel uses for an element type
   // (fp32 FMA, vdpbf16ps or AMX tiles).
   double (*peak_gflops)(ElementType element, int threads, double seconds);
@@ -95,7 +98,15 @@ void set_active_isa(Isa isa);                       // every element type and sh
 void set_active_isa(Isa isa, ElementType element);  // every shape class of `element`
 void set_active_isa(Isa isa, ElementType element, ShapeClass shape);
 
-// Run the kernel of `isa` (default: the one active for params' element type and shape class).
+// The variant that runs `element` backward calls. Follows active_isa(element, shape) until
+// set_active_backward_isa chooses one for `element` (the Python package measures the bfloat16
+// backward separately: on AMX machines the fastest forward and backward can be different
+// variants); set_active_isa(isa) for every type makes the backward follow again.
+Isa active_backward_isa(ElementType element, ShapeClass shape = ShapeClass::kSelfAttention);
+void set_active_backward_isa(Isa isa, ElementType element);
+
+// Run the kernel of `isa` (default: the one active for params' element type and shape class;
+// for the backward, active_backward_isa).
 // Params must be validated (make_attention_params / make_attention_backward_params).
 void run_attention_forward(const AttentionParams& params);
 void run_attention_forward(const AttentionParams& params, Isa isa);

@@ -15,6 +15,7 @@
 // is applied to S in float32 (before the mask) and to dK and dQ when they are written, so the
 // bfloat16 inputs are used exactly as given. Odd head dims, odd tile lengths and padding keys
 // are zero halves of the last word, so no product needs tail code.
+#pragma once
 #ifndef __AVX512BF16__
 #error "attention_backward_bf16_impl.h needs -mavx512bf16"
 #endif
@@ -111,6 +112,8 @@ struct PairTileBackward {
     s.ds_words = s.ds_pairs + kBwdBlockQ / 2 * kBwdBlockK;
     return s;
   }
+  static void enter_thread(Scratch&) {}
+  static void leave_thread(Scratch&) {}
 
   // Key tile t.k0 of K (as K^T pairs and pairs along keys) and V (as V^T pairs).
   template <typename T>

@@ -32,7 +32,9 @@
 // The packing and the products of one tile are a tile kernel (run_backward<T, Kernel>): here
 // FloatTileBackward, every product on the broadcast_fma kernel of vec_impl.h (packed operands are
 // padded with zeros to whole vectors, so head dims like 40, 59 or 72 need no tail code); for
-// bfloat16 on AVX512-BF16, PairTileBackward in attention_backward_bf16_impl.h (vdpbf16ps).
+// bfloat16 on AVX512-BF16, PairTileBackward in attention_backward_bf16_impl.h (vdpbf16ps); on
+// AMX, AmxTileBackward in attention_backward_amx_impl.h.
+#pragma once
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including attention_backward_impl.h"
 #endif
@@ -279,6 +281,10 @@ struct FloatTileBackward {
   static Scratch carve(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* base) {
     return carve_backward_scratch(bp, plan, base);
   }
+  // Per-thread set-up and tear-down around the parallel region (the AMX kernel's tile
+  // configuration); nothing here.
+  static void enter_thread(Scratch&) {}
+  static void leave_thread(Scratch&) {}
   // Packs key tile t.k0 of K and V (pointing at the pair's (batch, kv-head)).
   template <typename T>
   static void pack_keys(const AttentionBackwardParams& bp, const BackwardPlan& plan,
@@ -384,6 +390,7 @@ void run_backward(const AttentionBackwardParams& bp) {
   {
     const int thread = omp_get_thread_num();
     typename Kernel::Scratch s = Kernel::carve(bp, plan, base + per_thread * thread);
+    Kernel::enter_thread(s);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) compute_delta_row<T>(bp, bh, delta);
 
@@ -402,10 +409,11 @@ void run_backward(const AttentionBackwardParams& bp) {
       for (int64_t pair = 0; pair < plan.pairs; ++pair)
         write_grad_q<T>(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
     }
+    Kernel::leave_thread(s);
   }
 }
 
-void attention_backward_tiled(const AttentionBackwardParams& bp) {
+inline void attention_backward_tiled(const AttentionBackwardParams& bp) {
   switch (bp.fwd.element) {
     case ElementType::kFloat32:
       return run_backward<float, FloatTileBackward>(bp);

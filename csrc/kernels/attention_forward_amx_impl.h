@@ -25,6 +25,7 @@
 // leaves); the OS permission to use AMX state is requested once per process by dispatch.cpp
 // before this variant can be selected.
 // (tests/cpp/amx_emulation.h, included first, stands in for the tile unit in tests.)
+#pragma once
 #if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) || defined(NPU_ATTN_AMX_EMULATED)) || \
     !defined(__AVX512BF16__)
 #error "attention_forward_amx_impl.h needs -mamx-tile -mamx-bf16 -mavx512bf16"
@@ -34,6 +35,7 @@
 
 #include <cstring>
 
+#include "amx_tiles_impl.h"
 #include "attention_forward_bf16_impl.h"
 
 namespace npu_attn {
@@ -76,24 +78,6 @@ constexpr int64_t kAmxPackBudgetBytes = int64_t{64} << 20;
 static_assert(kAmxMinBlockK % kAmxTileK == 0 && kAmxMaxBlockK % kAmxTileK == 0 &&
                   kAmxBlockQ == 2 * kAmxTileRows,
               "key blocks are whole tiles; a task is two B tiles of queries");
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile used here is 16 rows x 64 bytes (16 floats, 32 bfloat16 or 16 pair words). The
-// configuration is a constant in memory: GCC 12's _tile_loadconfig tells the compiler it reads
-// only 8 bytes, so a configuration built on the stack could be (and was) partly optimised away.
-constexpr TileConfig kTileConfig = {
-    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-void configure_tiles() {
-  _tile_loadconfig(&kTileConfig);
-}
 
 // ---------------------------------------------------------------- plan and packing
 struct AmxPlan {

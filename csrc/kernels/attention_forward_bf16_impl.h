@@ -20,6 +20,7 @@
 // layouts, scratch and the softmax (functions are `inline` so a TU that uses only some of them
 // compiles without unused-function warnings; the anonymous namespace keeps them local either
 // way).
+#pragma once
 #ifndef __AVX512BF16__
 #error "attention_forward_bf16_impl.h needs -mavx512bf16"
 #endif

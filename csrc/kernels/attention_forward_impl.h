@@ -25,6 +25,7 @@
 //       out = O / l,  lse = m + log(l)
 // Workspace: O(block_k * block_q + len_k * head_dim) per chunk; nothing grows with
 // len_q * len_k.
+#pragma once
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including attention_forward_impl.h"
 #endif

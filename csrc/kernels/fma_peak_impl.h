@@ -8,6 +8,7 @@
 // Each probe runs independent accumulation chains (enough to hide latency on every port) and
 // writes the result to a volatile global: a side effect, so the compiler can neither drop the
 // loop nor move it across the timer calls.
+#pragma once
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including fma_peak_impl.h"
 #endif

@@ -8,5 +8,6 @@
 namespace npu_attn::testing {
 
 void attention_forward_amx_emulated(const AttentionParams& params);
+void attention_backward_amx_emulated(const AttentionBackwardParams& params);
 
 }  // namespace npu_attn::testing

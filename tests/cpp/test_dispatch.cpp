@@ -38,6 +38,9 @@ TEST(VariantTable, NamesAreUniqueAndRoundTrip) {
     EXPECT_NE(v.backward, nullptr);
     EXPECT_NE(v.peak_gflops, nullptr);
     for (const char* kernel : v.forward_kernel) EXPECT_NE(std::string(kernel), "");
+    // backward_from names a compiled row that runs the same backward code.
+    ASSERT_TRUE(parse_isa(v.backward_from).has_value()) << v.name;
+    EXPECT_EQ(kernel_variant(*parse_isa(v.backward_from)).backward, v.backward) << v.name;
   }
   EXPECT_FALSE(parse_isa("sse9").has_value());
   EXPECT_EQ(kernel_variants().front().isa, Isa::scalar);
@@ -167,6 +170,28 @@ TEST(ThisCpu, VariantIsChosenPerShapeClass) {
   set_active_isa(before, ElementType::kFloat32, ShapeClass::kLargeHeadDim);
 }
 
+TEST(ThisCpu, BackwardFollowsTheForwardUntilChosenSeparately) {
+  constexpr ElementType kBf16 = ElementType::kBFloat16;
+  Isa before[kElementTypeCount][kShapeClassCount];
+  for (int e = 0; e < kElementTypeCount; ++e)
+    for (int c = 0; c < kShapeClassCount; ++c)
+      before[e][c] = active_isa(static_cast<ElementType>(e), static_cast<ShapeClass>(c));
+  const Isa bf16 = before[static_cast<int>(kBf16)][0];
+  set_active_isa(Isa::scalar, kBf16);
+  EXPECT_EQ(active_backward_isa(kBf16), Isa::scalar);  // follows the forward's choice
+  set_active_backward_isa(bf16, kBf16);
+  for (int c = 0; c < kShapeClassCount; ++c)
+    EXPECT_EQ(active_backward_isa(kBf16, static_cast<ShapeClass>(c)), bf16);
+  EXPECT_EQ(active_isa(kBf16), Isa::scalar);
+  EXPECT_EQ(active_backward_isa(ElementType::kFloat32), active_isa(ElementType::kFloat32));
+  set_active_isa(Isa::scalar);  // one variant for everything: the backward follows again
+  EXPECT_EQ(active_backward_isa(kBf16), Isa::scalar);
+  for (int e = 0; e < kElementTypeCount; ++e)
+    for (int c = 0; c < kShapeClassCount; ++c)
+      set_active_isa(before[e][c], static_cast<ElementType>(e), static_cast<ShapeClass>(c));
+  EXPECT_EQ(active_backward_isa(kBf16), bf16);
+}
+
 TEST(ShapeClasses, ClassifyByKeysAndHeadDim) {
   AttentionParams p;
   p.len_k = 4096;
@@ -199,6 +224,8 @@ TEST(ThisCpu, AVariantTheCpuCannotRunIsRefused) {
   for (const KernelVariant& v : kernel_variants()) {
     if (isa_supported_by_cpu(v.isa)) continue;
     EXPECT_THROW(set_active_isa(v.isa), std::runtime_error) << v.name;
+    EXPECT_THROW(set_active_backward_isa(v.isa, ElementType::kBFloat16), std::runtime_error)
+        << v.name;
   }
 }
 

@@ -150,6 +150,40 @@ TEST(BFloat16Rounding, RoundsToNearestEvenAndKeepsNaN) {
   EXPECT_EQ(bfloat16_bits(bits_of(0xffffffffu)), 0x7fc0);  // a NaN that would carry into inf
 }
 
+using BackwardKernel = std::function<void(const AttentionBackwardParams&)>;
+
+BackwardKernel variant_backward(Isa isa) {
+  return [isa](const AttentionBackwardParams& params) { run_attention_backward(params, isa); };
+}
+
+// The backward of `kernel` from the forward results in `f` (expect_forward_matches_reference)
+// against the double-precision reference.
+void expect_backward_matches_reference(const Problem& pr, const Case& c, DType dtype,
+                                       const HalfForward& f, const BackwardKernel& kernel) {
+  FloatTensor grad_out_f({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order_for(c.layout));
+  fill_normal(grad_out_f, 31);
+  HalfTensor grad_out = narrow(grad_out_f, dtype);
+  HalfTensor dq = narrow(pr.q, dtype), dk = narrow(pr.k, dtype), dv = narrow(pr.v, dtype);
+  HalfTensor ref_dq = dq, ref_dk = dk, ref_dv = dv;
+  SdpaBackwardArguments bwd;
+  bwd.forward = f.args;
+  bwd.grad_out = grad_out.view(dtype);
+  bwd.grad_query = dq.view(dtype);
+  bwd.grad_key = dk.view(dtype);
+  bwd.grad_value = dv.view(dtype);
+  kernel(make_attention_backward_params(bwd));
+  bwd.grad_query = ref_dq.view(dtype);
+  bwd.grad_key = ref_dk.view(dtype);
+  bwd.grad_value = ref_dv.view(dtype);
+  attention_backward_reference(make_attention_backward_params(bwd));
+  for (auto [mine, ref] : {std::pair{&dq, &ref_dq}, {&dk, &ref_dk}, {&dv, &ref_dv}}) {
+    const FloatTensor a = widen(*mine, dtype), b = widen(*ref, dtype);
+    // The reference recomputes P in double, the kernel from the 16-bit-rounded output
+    // (Delta = rowsum(dO * O)); two roundings of the gradient's scale are allowed.
+    EXPECT_LE(max_abs_diff(a, b), 2 * unit_roundoff(dtype) * std::max(1.0, max_abs(b)));
+  }
+}
+
 TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (const Case& c : low_precision_shapes()) {
@@ -158,31 +192,7 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
       build(c, pr, 7);
       HalfForward f;
       expect_forward_matches_reference(pr, dtype, variant_forward(GetParam()), f);
-      const SdpaArguments& args = f.args;
-
-      // Backward from the kernel's own forward results.
-      FloatTensor grad_out_f({c.batch, c.heads_q, c.len_q, c.head_dim_v}, order_for(c.layout));
-      fill_normal(grad_out_f, 31);
-      HalfTensor grad_out = narrow(grad_out_f, dtype);
-      HalfTensor dq = narrow(pr.q, dtype), dk = narrow(pr.k, dtype), dv = narrow(pr.v, dtype);
-      HalfTensor ref_dq = dq, ref_dk = dk, ref_dv = dv;
-      SdpaBackwardArguments bwd;
-      bwd.forward = args;
-      bwd.grad_out = grad_out.view(dtype);
-      bwd.grad_query = dq.view(dtype);
-      bwd.grad_key = dk.view(dtype);
-      bwd.grad_value = dv.view(dtype);
-      run_attention_backward(make_attention_backward_params(bwd), GetParam());
-      bwd.grad_query = ref_dq.view(dtype);
-      bwd.grad_key = ref_dk.view(dtype);
-      bwd.grad_value = ref_dv.view(dtype);
-      attention_backward_reference(make_attention_backward_params(bwd));
-      for (auto [mine, ref] : {std::pair{&dq, &ref_dq}, {&dk, &ref_dk}, {&dv, &ref_dv}}) {
-        const FloatTensor a = widen(*mine, dtype), b = widen(*ref, dtype);
-        // The reference recomputes P in double, the kernel from the 16-bit-rounded output
-        // (Delta = rowsum(dO * O)); two roundings of the gradient's scale are allowed.
-        EXPECT_LE(max_abs_diff(a, b), 2 * unit_roundoff(dtype) * std::max(1.0, max_abs(b)));
-      }
+      expect_backward_matches_reference(pr, c, dtype, f, variant_backward(GetParam()));
     }
   }
 }
@@ -309,15 +319,17 @@ class EmulatedAmx : public ::testing::Test {
     }
   }
   const ForwardKernel kernel_ = attention_forward_amx_emulated;
+  const BackwardKernel backward_ = attention_backward_amx_emulated;
 };
 
-TEST_F(EmulatedAmx, ForwardMatchesTheReferenceInBfloat16) {
+TEST_F(EmulatedAmx, ForwardAndBackwardMatchTheReferenceInBfloat16) {
   for (const Case& c : low_precision_shapes()) {
     SCOPED_TRACE(c.describe() + " emulated AMX");
     Problem pr;
     build(c, pr, 7);
     HalfForward f;
     expect_forward_matches_reference(pr, DType::kBFloat16, kernel_, f);
+    expect_backward_matches_reference(pr, c, DType::kBFloat16, f, backward_);
   }
   expect_query_group_shapes_match(kernel_, "emulated AMX");
 }

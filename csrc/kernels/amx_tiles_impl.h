@@ -1,0 +1,105 @@
+// What the AMX kernels share: the tile configuration (every tile 16 rows x 64 bytes) and a
+// plain tile product for operands already laid out in whole tiles.
+//
+// tdpbf16ps C += A B: A is 16 rows of 32 bfloat16 (16 pair words along the reduced dimension),
+// B 16 rows of pair words (one row per pair of the reduced dimension) x 16 columns, C 16 x 16
+// float32. So a row-major matrix of pair words is an A operand as it is, and a matrix of pairs
+// along its rows (vdpbf16ps's B layout, pack_row_pairs) is a B operand as it is.
+// (tests/cpp/amx_emulation.h, included first, stands in for the tile unit in tests.)
+#pragma once
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) || defined(NPU_ATTN_AMX_EMULATED))
+#error "amx_tiles_impl.h needs -mamx-tile -mamx-bf16"
+#endif
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace npu_attn {
+namespace {
+
+constexpr int64_t kTileRows = 16;   // rows of every tile
+constexpr int64_t kTileWords = 16;  // 32-bit words per tile row (16 floats or 16 bf16 pairs)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile used here is 16 rows x 64 bytes (16 floats, 32 bfloat16 or 16 pair words). The
+// configuration is a constant in memory: GCC 12's _tile_loadconfig tells the compiler it reads
+// only 8 bytes, so a configuration built on the stack could be (and was) partly optimised away.
+constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+inline void configure_tiles() {
+  _tile_loadconfig(&kTileConfig);
+}
+
+// C (rows x cols float32, ldc) (+)= A (rows x depth pair words, lda) B (depth x cols pair words,
+// ldb): rows a multiple of 32, cols and depth multiples of 16 (operands padded with zeros).
+// Blocks of 2x2 accumulator tiles (0-3) from two A tiles (4, 5) and two B tiles (6, 7), so every
+// tile load feeds two tdpbf16ps; a last 16-column block uses 2x1.
+template <bool Accumulate>
+void tile_product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t rows,
+                  int64_t depth, int64_t cols, float* c, int64_t ldc) {
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
+  for (int64_t i = 0; i < rows; i += 2 * kTileRows) {
+    const uint32_t* a0 = a + i * lda;
+    const uint32_t* a1 = a0 + kTileRows * lda;
+    float* c0 = c + i * ldc;
+    float* c1 = c0 + kTileRows * ldc;
+    int64_t j = 0;
+    for (; j + 2 * kTileWords <= cols; j += 2 * kTileWords) {
+      if (Accumulate) {
+        _tile_loadd(0, c0 + j, sc);
+        _tile_loadd(1, c0 + j + kTileWords, sc);
+        _tile_loadd(2, c1 + j, sc);
+        _tile_loadd(3, c1 + j + kTileWords, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t d = 0; d < depth; d += kTileWords) {
+        _tile_loadd(4, a0 + d, sa);
+        _tile_loadd(5, a1 + d, sa);
+        _tile_loadd(6, b + d * ldb + j, sb);
+        _tile_loadd(7, b + d * ldb + j + kTileWords, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c0 + j, sc);
+      _tile_stored(1, c0 + j + kTileWords, sc);
+      _tile_stored(2, c1 + j, sc);
+      _tile_stored(3, c1 + j + kTileWords, sc);
+    }
+    if (j < cols) {
+      if (Accumulate) {
+        _tile_loadd(0, c0 + j, sc);
+        _tile_loadd(2, c1 + j, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(2);
+      }
+      for (int64_t d = 0; d < depth; d += kTileWords) {
+        _tile_loadd(4, a0 + d, sa);
+        _tile_loadd(5, a1 + d, sa);
+        _tile_loadd(6, b + d * ldb + j, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, c0 + j, sc);
+      _tile_stored(2, c1 + j, sc);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace npu_attn
