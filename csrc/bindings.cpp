@@ -310,11 +310,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dtype") = "float32", py::arg("shape_class") = "self-attention");
   m.def(
       "set_backward_isa",
-      [](const std::string& name, const std::string& dtype) {
-        npu_attn::set_active_backward_isa(isa_from_name(name), element_from_name(dtype));
+      [](std::optional<std::string> name, const std::string& dtype) {
+        if (name) {
+          npu_attn::set_active_backward_isa(isa_from_name(*name), element_from_name(dtype));
+        } else {
+          npu_attn::clear_active_backward_isa(element_from_name(dtype));
+        }
       },
       py::arg("name"), py::arg("dtype"),
-      "Make `name` the variant of `dtype`'s backward calls (set_isa(name) resets it).");
+      "Make `name` the variant of `dtype`'s backward calls; None (or set_isa(name) for every "
+      "dtype): the forward's variant again.");
   m.def("shape_classes", [] {
     std::vector<std::string> names;
     for (int i = 0; i < npu_attn::kShapeClassCount; ++i)

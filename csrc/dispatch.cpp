@@ -263,6 +263,10 @@ void set_active_backward_isa(Isa isa, ElementType element) {
   g_active_backward[index_of(element)].store(static_cast<int>(isa));
 }
 
+void clear_active_backward_isa(ElementType element) {
+  g_active_backward[index_of(element)].store(-1);
+}
+
 void run_attention_forward(const AttentionParams& params) {
   run_attention_forward(params, active_isa(params.element, shape_class(params)));
 }

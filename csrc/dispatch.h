@@ -104,6 +104,7 @@ void set_active_isa(Isa isa, ElementType element, ShapeClass shape);
 // variants); set_active_isa(isa) for every type makes the backward follow again.
 Isa active_backward_isa(ElementType element, ShapeClass shape = ShapeClass::kSelfAttention);
 void set_active_backward_isa(Isa isa, ElementType element);
+void clear_active_backward_isa(ElementType element);  // follow the forward's choice again
 
 // Run the kernel of `isa` (default: the one active for params' element type and shape class;
 // for the backward, active_backward_isa).

@@ -11,6 +11,12 @@ clearly faster there), caches the result under the CPU's fingerprint in
 ``$NPU_ATTN_CACHE_DIR/kernel_variants.json`` (default ``~/.cache/npu_attn``, next to ``auto``'s
 cache) and logs the choice once.
 
+The bfloat16 backward is measured too, on its own: its kernels (float32 FMA after widening,
+``vdpbf16ps`` pairs, AMX tiles) differ from the forward's, and on an AMX machine the fastest
+forward and the fastest backward may come from different variants. The float32 and float16
+backward follow the forward's choice (their code differs between variants only in vector
+width, as the forward's does).
+
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
 variant). ``python -m npu_attn doctor --tune`` measures again.
@@ -44,6 +50,12 @@ REPRESENTATIVE_SHAPES = {
     "self-attention": (1, 4, 512, 512, 64),
     "cross-attention": (2, 4, 512, 77, 64),
     "large head dim": (1, 1, 256, 512, 512),
+}
+# The backward's shapes: the common head dim and Flux's; one overall choice (no shape classes).
+BACKWARD_DTYPES = ("bfloat16",)
+BACKWARD_SHAPES = {
+    "head dim 64": (1, 4, 256, 256, 64),
+    "head dim 128": (1, 2, 256, 256, 128),
 }
 REPEATS = 7
 # A variant is kept for one shape class only when it beats the dtype's overall choice there by
@@ -117,6 +129,19 @@ def candidates(dtype: str) -> list[str]:
     return list(reversed(list(seen.values())))
 
 
+def backward_candidates(dtype: str) -> list[str]:
+    """Runnable variants with different backward code for ``dtype``: one per distinct backward
+    kernel (``backward_from`` in the variant table), most specialised first; none for the
+    dtypes whose backward follows the forward's choice."""
+    if dtype not in BACKWARD_DTYPES:
+        return []
+    seen: dict[str, str] = {}
+    for row in _C.variants():
+        if row["runnable"]:
+            seen.setdefault(row["backward_from"], row["name"])
+    return list(reversed(list(seen.values())))
+
+
 def _inputs(dtype: str, shape: tuple, seed: int = 0):
     """q, k, v and the output for one shape, as NumPy arrays (float32/float16) or torch
     tensors (bfloat16, which NumPy lacks)."""
@@ -148,25 +173,59 @@ def measure(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
     keep only their first time."""
     result: dict[str, dict[str, float]] = {}
     for shape_class, shape in REPRESENTATIVE_SHAPES.items():
-        names = candidates(dtype)
         (q, k, v), out, keep = _inputs(dtype, shape)
-        times: dict[str, list[float]] = {n: [] for n in names}
 
         def run(name, q=q, k=k, v=v, out=out):
             start = time.thread_time()
             _C.forward(q, k, v, out, num_threads=1, isa=name)
             return time.thread_time() - start
 
-        for name in names:  # warm-up, and the cut for hopeless candidates
-            run(name)
-            times[name].append(run(name))
-        best_first = min(t[0] for t in times.values())
-        alive = [n for n in names if times[n][0] <= HOPELESS_RATIO * best_first]
-        for _ in range(repeats - 1):
-            for name in alive:
-                times[name].append(run(name))
-        result[shape_class] = {n: min(t) * 1e3 for n, t in times.items()}
+        result[shape_class] = _interleaved_best(candidates(dtype), run, repeats)
         del keep
+    return result
+
+
+def _interleaved_best(names: list[str], run, repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` milliseconds of ``run(name)`` per candidate, interleaved; hopeless
+    candidates keep only their first time."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # warm-up, and the cut for hopeless candidates
+        run(name)
+        times[name].append(run(name))
+    best_first = min(t[0] for t in times.values())
+    alive = [n for n in names if times[n][0] <= HOPELESS_RATIO * best_first]
+    for _ in range(repeats - 1):
+        for name in alive:
+            times[name].append(run(name))
+    return {n: min(t) * 1e3 for n, t in times.items()}
+
+
+def measure_backward(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
+    """CPU milliseconds of each backward candidate per shape of BACKWARD_SHAPES, measured like
+    :func:`measure` (one thread, best of ``repeats``, interleaved)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    torch_dtype = getattr(torch, dtype)
+    result: dict[str, dict[str, float]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for label, (b, h, lq, lk, d) in BACKWARD_SHAPES.items():
+        q, k, v = (
+            torch.randn(b, h, n, d, generator=generator).to(torch_dtype) for n in (lq, lk, lk)
+        )
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, lq)
+        grad_out = torch.randn(b, h, lq, d, generator=generator).to(torch_dtype)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        _C.forward(*map(to_dlpack, (q, k, v, out)), lse=to_dlpack(lse), num_threads=1)
+        operands = [to_dlpack(t) for t in (q, k, v, out, lse, grad_out, *grads)]
+
+        def run(name, operands=operands):
+            start = time.thread_time()
+            _C.backward(*operands, num_threads=1, isa=name)
+            return time.thread_time() - start
+
+        result[label] = _interleaved_best(backward_candidates(dtype), run, repeats)
     return result
 
 
@@ -187,18 +246,34 @@ def decide(ms: dict[str, dict[str, float]]) -> dict[str, str]:
     return choice
 
 
-def _describe(dtype: str, choice: dict[str, str], ms: dict[str, dict[str, float]]) -> str:
-    parts = []
-    for shape_class, per in ms.items():
-        timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1]))
-        parts.append(f"{shape_class}: {choice[shape_class]} ({timings})")
+def decide_backward(ms: dict[str, dict[str, float]]) -> str:
+    """The backward variant: the lowest geometric-mean time over the measured shapes."""
+    common = set.intersection(*(set(per.keys()) for per in ms.values()))
+    return min(sorted(common), key=lambda n: sum(math.log(per[n]) for per in ms.values()))
+
+
+def _timings(per: dict[str, float]) -> str:
+    return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1]))
+
+
+def _describe(dtype: str, entry: dict[str, Any]) -> str:
+    parts = [
+        f"{shape_class}: {entry['choice'][shape_class]} ({_timings(per)})"
+        for shape_class, per in entry.get("ms", {}).items()
+    ]
+    backward = entry.get("backward")
+    if backward:
+        timings = "; ".join(f"{label}: {_timings(per)}" for label, per in backward["ms"].items())
+        parts.append(f"backward: {backward['choice']} ({timings})")
     return f"{dtype}: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- the choice
-def _apply(dtype: str, choice: dict[str, str]) -> None:
-    for shape_class, name in choice.items():
+def _apply(dtype: str, entry: dict[str, Any]) -> None:
+    for shape_class, name in entry["choice"].items():
         _C.set_isa(name, dtype, shape_class)
+    backward = entry.get("backward")
+    _C.set_backward_isa(backward["choice"] if backward else None, dtype)
 
 
 def _environment_pin() -> Optional[str]:
@@ -227,27 +302,41 @@ def tune(dtype: str, force: bool = False) -> dict[str, Any]:
             entry = {"choice": _rule_choice(dtype), "source": "rule (NPU_ATTN_TUNE=0)"}
         else:
             entry = None if force else _load_cache().get(fingerprint(), {}).get(dtype)
-            if entry is not None and set(entry.get("choice", {}).values()) <= set(
-                _C.runnable_isas()
-            ):
+            if entry is not None and _usable(dtype, entry):
                 entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
             else:
                 entry = _measure_and_store(dtype)
-        _apply(dtype, entry["choice"])
+        _apply(dtype, entry)
         _decided[dtype] = entry
         return entry
 
 
+def _usable(dtype: str, entry: dict[str, Any]) -> bool:
+    """A cached entry names only variants this CPU runs, and has the backward's choice where
+    this dtype's backward is measured (caches written before it was have none)."""
+    runnable = set(_C.runnable_isas())
+    names = set(entry.get("choice", {}).values())
+    if len(backward_candidates(dtype)) > 1:
+        names.add(entry.get("backward", {}).get("choice"))
+    return bool(names) and names <= runnable
+
+
 def _measure_and_store(dtype: str) -> dict[str, Any]:
-    if len(candidates(dtype)) == 1:
-        only = candidates(dtype)[0]
-        return {"choice": dict.fromkeys(_C.shape_classes(), only), "source": "only variant"}
-    ms = measure(dtype)
-    choice = decide(ms)
+    forward, backward = candidates(dtype), backward_candidates(dtype)
+    if len(forward) == 1 and len(backward) <= 1:
+        return {"choice": dict.fromkeys(_C.shape_classes(), forward[0]), "source": "only variant"}
     stamp = time.strftime("%Y-%m-%d")
-    entry = {"choice": choice, "ms": ms, "measured": stamp}
+    entry: dict[str, Any] = {"measured": stamp}
+    if len(forward) == 1:
+        entry["choice"] = dict.fromkeys(_C.shape_classes(), forward[0])
+    else:
+        entry["ms"] = measure(dtype)
+        entry["choice"] = decide(entry["ms"])
+    if len(backward) > 1:
+        ms = measure_backward(dtype)
+        entry["backward"] = {"choice": decide_backward(ms), "ms": ms}
     _store_cache(dtype, entry)
-    logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, choice, ms))
+    logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, entry))
     return dict(entry, source=f"measured {stamp}")
 
 
@@ -265,7 +354,7 @@ def pin(name: Optional[str]) -> None:
         _decided.clear()
     if name is None:
         for dtype in DTYPES:  # the rule until the next use measures or loads the choice
-            _apply(dtype, _rule_choice(dtype))
+            _apply(dtype, {"choice": _rule_choice(dtype)})
     else:
         _C.set_isa(name)
 
@@ -277,7 +366,8 @@ def forget() -> None:
 
 
 def report() -> dict[str, dict[str, Any]]:
-    """Per dtype: the variant per shape class, where the choice came from and the timings."""
+    """Per dtype: the variant per shape class, where the choice came from and the timings
+    (and for bfloat16, when measured, ``backward``: its variant and timings)."""
     return {dtype: tune(dtype) for dtype in DTYPES if _dtype_usable(dtype)}
 
 

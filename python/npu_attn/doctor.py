@@ -170,6 +170,14 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
                 f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
             )
             lines.append(f"  {'':9}   {shape_class}: {timings}")
+        backward = v.get("backward")
+        if backward:
+            lines.append(f"  {'':9}   backward: {backward['choice']}")
+            for label, per in backward["ms"].items():
+                timings = ", ".join(
+                    f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
+                )
+                lines.append(f"  {'':9}     {label}: {timings}")
     lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
     return lines
 

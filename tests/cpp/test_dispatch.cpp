@@ -184,6 +184,9 @@ TEST(ThisCpu, BackwardFollowsTheForwardUntilChosenSeparately) {
     EXPECT_EQ(active_backward_isa(kBf16, static_cast<ShapeClass>(c)), bf16);
   EXPECT_EQ(active_isa(kBf16), Isa::scalar);
   EXPECT_EQ(active_backward_isa(ElementType::kFloat32), active_isa(ElementType::kFloat32));
+  clear_active_backward_isa(kBf16);
+  EXPECT_EQ(active_backward_isa(kBf16), Isa::scalar);
+  set_active_backward_isa(bf16, kBf16);
   set_active_isa(Isa::scalar);  // one variant for everything: the backward follows again
   EXPECT_EQ(active_backward_isa(kBf16), Isa::scalar);
   for (int e = 0; e < kElementTypeCount; ++e)

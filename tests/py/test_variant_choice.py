@@ -98,6 +98,54 @@ def test_first_use_measures_caches_and_applies_the_fastest(fresh_choice):
         assert again["source"].endswith("cached")
 
 
+def test_backward_candidates_are_one_per_distinct_backward_kernel():
+    runnable = set(npu_attn.available_isas())
+    names = _variant_choice.backward_candidates("bfloat16")
+    assert names and set(names) <= runnable
+    rows = {r["name"]: r for r in _C.variants()}
+    kernels = [rows[n]["backward_from"] for n in names]
+    assert len(kernels) == len(set(kernels)), "two candidates run the same backward"
+    assert set(kernels) == {rows[n]["backward_from"] for n in runnable}, "a backward is missing"
+    assert _variant_choice.backward_candidates("float32") == []  # follows the forward
+    if "amx_bf16" in runnable:
+        assert rows["amx_bf16"]["backward_from"] == "amx_bf16"  # the AMX backward
+
+
+def test_the_bfloat16_backward_is_measured_on_its_own(fresh_choice):
+    entry = _variant_choice.tune("bfloat16")
+    if len(_variant_choice.backward_candidates("bfloat16")) < 2:
+        assert "backward" not in entry
+        assert _C.active_backward_isa("bfloat16") == _C.active_isa("bfloat16")
+        return
+    backward = entry["backward"]
+    assert set(backward["ms"]) == set(_variant_choice.BACKWARD_SHAPES)
+    assert backward["choice"] == _variant_choice.decide_backward(backward["ms"])
+    assert _C.active_backward_isa("bfloat16") == backward["choice"]  # what C++ will run
+    cache = json.loads((fresh_choice / "kernel_variants.json").read_text())
+    assert cache[_variant_choice.fingerprint()]["bfloat16"]["backward"] == backward
+    # set_isa pins the backward too; None returns to the measured choice.
+    npu_attn.set_isa("scalar")
+    assert _C.active_backward_isa("bfloat16") == "scalar"
+    npu_attn.set_isa(None)
+    _variant_choice.ensure("bfloat16")
+    assert _C.active_backward_isa("bfloat16") == backward["choice"]
+
+
+def test_a_cache_without_the_backward_choice_is_measured_again(fresh_choice):
+    if len(_variant_choice.backward_candidates("bfloat16")) < 2:
+        pytest.skip("one bfloat16 backward kernel on this CPU: nothing to choose")
+    path = fresh_choice / "kernel_variants.json"
+    old = {"choice": _variant_choice._rule_choice("bfloat16"), "measured": "2026-01-01"}
+    path.write_text(json.dumps({_variant_choice.fingerprint(): {"bfloat16": old}}))
+    entry = _variant_choice.tune("bfloat16")
+    assert "backward" in entry and not entry["source"].endswith("cached")
+
+
+def test_decide_backward_takes_the_lowest_geometric_mean():
+    ms = {"head dim 64": {"x": 1.0, "y": 4.0}, "head dim 128": {"x": 4.4, "y": 1.0}}
+    assert _variant_choice.decide_backward(ms) == "y"  # geometric means 2.10 and 2.00
+
+
 def test_the_kernel_call_uses_the_chosen_variant(fresh_choice):
     # The first kernel call of a dtype chooses that dtype's variant before it runs.
     q, k, v = torch.randn(1, 2, 70, 40), torch.randn(1, 2, 90, 40), torch.randn(1, 2, 90, 40)
