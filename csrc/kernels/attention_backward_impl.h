@@ -378,7 +378,8 @@ void run_backward(const AttentionBackwardParams& bp) {
   const int64_t per_thread = round_up(Kernel::scratch_floats(bp, plan), 16);
   // Private dQ: one per thread when each pair is one item, else one per item (summed later).
   const int64_t dq_buffers = plan.splits == 1 ? plan.threads : plan.items;
-  const int64_t delta_floats = p.batch * p.heads_q * p.len_q;
+  // (rounded up so the dQ buffers after it start on a cache line)
+  const int64_t delta_floats = round_up(p.batch * p.heads_q * p.len_q, 16);
   const int64_t total = per_thread * plan.threads + dq_buffers * plan.dq_floats + delta_floats;
   // Allocated before the parallel region: a failure is std::bad_alloc for the caller.
   const WorkspaceBuffer buffer(total);

@@ -11,11 +11,13 @@ clearly faster there), caches the result under the CPU's fingerprint in
 ``$NPU_ATTN_CACHE_DIR/kernel_variants.json`` (default ``~/.cache/npu_attn``, next to ``auto``'s
 cache) and logs the choice once.
 
-The bfloat16 backward is measured too, on its own: its kernels (float32 FMA after widening,
-``vdpbf16ps`` pairs, AMX tiles) differ from the forward's, and on an AMX machine the fastest
-forward and the fastest backward may come from different variants. The float32 and float16
-backward follow the forward's choice (their code differs between variants only in vector
-width, as the forward's does).
+The bfloat16 backward is measured on its own, on the first backward call (inference never
+pays for it): its kernels (float32 FMA after widening, ``vdpbf16ps`` pairs, AMX tiles) differ
+from the forward's, and on an AMX machine the fastest forward and the fastest backward may come
+from different variants. It is cached next to the forward's choice (key ``"bfloat16
+backward"``). Until then, and for float32 and float16 (whose backward code differs between
+variants only in vector width, as the forward's does), the backward runs on the forward's
+variant.
 
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
@@ -68,6 +70,7 @@ HOPELESS_RATIO = 4.0
 
 _lock = threading.Lock()
 _decided: dict[str, dict] = {}  # dtype -> {"choice": {class: variant}, "reason": str, ...}
+_decided_backward: dict[str, dict] = {}  # dtype -> {"choice": variant or None, "source": ...}
 _pinned: Optional[str] = None  # set_isa(name): every dtype, no measuring
 
 
@@ -102,6 +105,10 @@ def _load_cache() -> dict:
         return json.loads(cache_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+
+
+def _backward_key(dtype: str) -> str:
+    return f"{dtype} backward"
 
 
 def _store_cache(dtype: str, entry: dict) -> None:
@@ -262,7 +269,7 @@ def _describe(dtype: str, entry: dict[str, Any]) -> str:
         for shape_class, per in entry.get("ms", {}).items()
     ]
     backward = entry.get("backward")
-    if backward:
+    if backward and backward.get("ms"):
         timings = "; ".join(f"{label}: {_timings(per)}" for label, per in backward["ms"].items())
         parts.append(f"backward: {backward['choice']} ({timings})")
     return f"{dtype}: " + "; ".join(parts)
@@ -272,8 +279,6 @@ def _describe(dtype: str, entry: dict[str, Any]) -> str:
 def _apply(dtype: str, entry: dict[str, Any]) -> None:
     for shape_class, name in entry["choice"].items():
         _C.set_isa(name, dtype, shape_class)
-    backward = entry.get("backward")
-    _C.set_backward_isa(backward["choice"] if backward else None, dtype)
 
 
 def _environment_pin() -> Optional[str]:
@@ -312,38 +317,67 @@ def tune(dtype: str, force: bool = False) -> dict[str, Any]:
 
 
 def _usable(dtype: str, entry: dict[str, Any]) -> bool:
-    """A cached entry names only variants this CPU runs, and has the backward's choice where
-    this dtype's backward is measured (caches written before it was have none)."""
-    runnable = set(_C.runnable_isas())
+    """A cached entry names only variants this CPU runs."""
     names = set(entry.get("choice", {}).values())
-    if len(backward_candidates(dtype)) > 1:
-        names.add(entry.get("backward", {}).get("choice"))
-    return bool(names) and names <= runnable
+    return bool(names) and names <= set(_C.runnable_isas())
 
 
 def _measure_and_store(dtype: str) -> dict[str, Any]:
-    forward, backward = candidates(dtype), backward_candidates(dtype)
-    if len(forward) == 1 and len(backward) <= 1:
-        return {"choice": dict.fromkeys(_C.shape_classes(), forward[0]), "source": "only variant"}
+    if len(candidates(dtype)) == 1:
+        only = candidates(dtype)[0]
+        return {"choice": dict.fromkeys(_C.shape_classes(), only), "source": "only variant"}
+    ms = measure(dtype)
     stamp = time.strftime("%Y-%m-%d")
-    entry: dict[str, Any] = {"measured": stamp}
-    if len(forward) == 1:
-        entry["choice"] = dict.fromkeys(_C.shape_classes(), forward[0])
-    else:
-        entry["ms"] = measure(dtype)
-        entry["choice"] = decide(entry["ms"])
-    if len(backward) > 1:
-        ms = measure_backward(dtype)
-        entry["backward"] = {"choice": decide_backward(ms), "ms": ms}
+    entry = {"choice": decide(ms), "ms": ms, "measured": stamp}
     _store_cache(dtype, entry)
     logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, entry))
     return dict(entry, source=f"measured {stamp}")
 
 
-def ensure(dtype: str) -> None:
-    """Make sure ``dtype``'s variant is chosen before a kernel call (cheap after the first)."""
+def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
+    """Choose the backward's variant for ``dtype`` like :func:`tune` (measured where its
+    backward kernels differ, i.e. bfloat16 with more than one candidate; pinned, disabled or
+    otherwise the forward's variant: ``choice`` None), apply it and return the decision."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    tune(dtype)  # the forward's choice first: the backward follows it unless measured
+    with _lock:
+        if not force and dtype in _decided_backward:
+            return _decided_backward[dtype]
+        pin = _pinned or _environment_pin()
+        if pin is not None:
+            entry = {"choice": None, "source": "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"}
+        elif len(backward_candidates(dtype)) < 2:
+            entry = {"choice": None, "source": "the forward's variant"}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"choice": None, "source": "the forward's variant (NPU_ATTN_TUNE=0)"}
+        else:
+            key = _backward_key(dtype)
+            entry = None if force else _load_cache().get(fingerprint(), {}).get(key)
+            if entry is not None and entry.get("choice") in _C.runnable_isas():
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                ms = measure_backward(dtype)
+                stamp = time.strftime("%Y-%m-%d")
+                entry = {"choice": decide_backward(ms), "ms": ms, "measured": stamp}
+                _store_cache(key, entry)
+                logger.info(
+                    "npu_attn: kernel variants measured on this CPU, %s",
+                    _describe(dtype, {"choice": {}, "backward": entry}),
+                )
+                entry = dict(entry, source=f"measured {stamp}")
+        _C.set_backward_isa(entry["choice"], dtype)
+        _decided_backward[dtype] = entry
+        return entry
+
+
+def ensure(dtype: str, backward: bool = False) -> None:
+    """Make sure ``dtype``'s variant (with ``backward``, also its backward's) is chosen before
+    a kernel call (cheap after the first)."""
     if dtype not in _decided:
         tune(dtype)
+    if backward and dtype not in _decided_backward:
+        tune_backward(dtype)
 
 
 def pin(name: Optional[str]) -> None:
@@ -352,23 +386,30 @@ def pin(name: Optional[str]) -> None:
     with _lock:
         _pinned = name
         _decided.clear()
+        _decided_backward.clear()
     if name is None:
         for dtype in DTYPES:  # the rule until the next use measures or loads the choice
             _apply(dtype, {"choice": _rule_choice(dtype)})
+            _C.set_backward_isa(None, dtype)
     else:
-        _C.set_isa(name)
+        _C.set_isa(name)  # the backward's too
 
 
 def forget() -> None:
     """Drop the in-process decisions (tests; the disk cache stays)."""
     with _lock:
         _decided.clear()
+        _decided_backward.clear()
 
 
 def report() -> dict[str, dict[str, Any]]:
-    """Per dtype: the variant per shape class, where the choice came from and the timings
-    (and for bfloat16, when measured, ``backward``: its variant and timings)."""
-    return {dtype: tune(dtype) for dtype in DTYPES if _dtype_usable(dtype)}
+    """Per dtype: the variant per shape class, where the choice came from and the timings,
+    and ``backward``: the backward's decision (:func:`tune_backward`; measured now if not yet)."""
+    return {
+        dtype: dict(tune(dtype), backward=tune_backward(dtype))
+        for dtype in DTYPES
+        if _dtype_usable(dtype)
+    }
 
 
 def _dtype_usable(dtype: str) -> bool:

@@ -125,6 +125,7 @@ def collect(tune: bool = False) -> dict[str, Any]:
     if tune:
         for dtype in _variant_choice.DTYPES:
             _variant_choice.tune(dtype, force=True)
+            _variant_choice.tune_backward(dtype, force=True)
     report["variant_choice"] = _runtime.kernel_variants()
     report["variant_cache"] = str(_variant_choice.cache_path())
 
@@ -172,8 +173,9 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"  {'':9}   {shape_class}: {timings}")
         backward = v.get("backward")
         if backward:
-            lines.append(f"  {'':9}   backward: {backward['choice']}")
-            for label, per in backward["ms"].items():
+            chosen = backward["choice"] or "the forward's variant"
+            lines.append(f"  {'':9}   backward: {chosen}  [{backward['source']}]")
+            for label, per in backward.get("ms", {}).items():
                 timings = ", ".join(
                     f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
                 )

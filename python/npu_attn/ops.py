@@ -48,12 +48,13 @@ def _kernel_mask(attn_mask):
     return attn_mask.float()
 
 
-def _choose_variant(dtype: torch.dtype) -> None:
-    """The kernel variant for ``dtype`` is measured once per machine, before its first call
-    (other dtypes are left to the C++ validation, which names what it expects)."""
+def _choose_variant(dtype: torch.dtype, backward: bool = False) -> None:
+    """The kernel variant for ``dtype`` (with ``backward``, also its backward's) is measured
+    once per machine, before its first call (other dtypes are left to the C++ validation, which
+    names what it expects)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is not None:
-        _variant_choice.ensure(name)
+        _variant_choice.ensure(name, backward=backward)
 
 
 def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
@@ -127,7 +128,7 @@ def backward_cpu(
     grad_v = torch.empty_like(value, memory_format=torch.contiguous_format)
     if grad_out.dtype != query.dtype:
         grad_out = grad_out.to(query.dtype)
-    _choose_variant(query.dtype)
+    _choose_variant(query.dtype, backward=True)
     _C.backward(
         to_dlpack(query.detach()),
         to_dlpack(key.detach()),

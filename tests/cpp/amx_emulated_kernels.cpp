@@ -3,8 +3,6 @@
 // attention_backward_amx_impl.h), with the tile intrinsics replaced by
 // amx_emulation.h. Built with the avx512_bf16 variant's flags (tests/cpp/CMakeLists.txt).
 #define NPU_ATTN_VEC_BYTES 64
-#include <immintrin.h>
-
 #include "amx_emulation.h"
 // (the emulation must come first)
 #include "amx_emulated.h"

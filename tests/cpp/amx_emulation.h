@@ -1,6 +1,6 @@
 // A software tile unit, so the AMX kernels' code (tiling, packing, operand layouts, tile
 // configuration) is tested on every CPU with AVX512-BF16, not only on the AMX machines a session
-// happens to get. Included after <immintrin.h> and before an AMX kernel header, it replaces
+// happens to get. Included before an AMX kernel header, it replaces
 // GCC's AMX intrinsics (_tile_loadconfig, _tile_release, _tile_loadd, _tile_stored, _tile_zero,
 // _tile_dpbf16ps) by functions on per-thread tile registers in memory.
 //
@@ -14,6 +14,8 @@
 //
 // Test-only: slow (one scalar multiply-add per bfloat16 pair) and never part of the library.
 #pragma once
+
+#include <immintrin.h>  // first, so the definitions below replace GCC's
 
 #include <cstdint>
 #include <cstdio>

@@ -2,7 +2,9 @@
 #  1. No weak or unique global symbols are *defined*: such symbols (inline functions, template
 #     instantiations) are merged by the linker across translation units, so an AVX-512 copy
 #     could end up being called from the scalar variant on a machine without AVX-512.
-#  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers.
+#  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers; the
+#     emulated AMX kernels (tests/cpp/amx_emulation.h) contain no real tile instruction, which
+#     an intrinsic the emulation does not replace would leave behind.
 # OBJECTS is a list of "isa=path/to/object.o" entries.
 foreach(entry ${OBJECTS})
   string(REGEX MATCH "^([a-z0-9_]+)=(.*)$" _ "${entry}")
@@ -26,7 +28,10 @@ foreach(entry ${OBJECTS})
   if(isa STREQUAL "avx2" AND asm MATCHES "%zmm")
     message(FATAL_ERROR "avx2: object contains AVX-512 (zmm) instructions")
   endif()
-  if(isa MATCHES "^avx512" AND NOT asm MATCHES "%zmm")
+  if(isa STREQUAL "amx_emulated" AND asm MATCHES "(%tmm|ldtilecfg|sttilecfg|tilerelease)")
+    message(FATAL_ERROR "amx_emulated: object contains real AMX instructions")
+  endif()
+  if(isa MATCHES "^(avx512|amx_emulated)" AND NOT asm MATCHES "%zmm")
     message(FATAL_ERROR "avx512: object contains no zmm instructions; were the flags applied?")
   endif()
   message(STATUS "${isa}: ok (${object})")

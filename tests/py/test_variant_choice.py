@@ -111,34 +111,37 @@ def test_backward_candidates_are_one_per_distinct_backward_kernel():
         assert rows["amx_bf16"]["backward_from"] == "amx_bf16"  # the AMX backward
 
 
-def test_the_bfloat16_backward_is_measured_on_its_own(fresh_choice):
-    entry = _variant_choice.tune("bfloat16")
+def test_the_bfloat16_backward_is_measured_on_its_own_at_the_first_backward(fresh_choice):
+    q, k, v = (torch.randn(1, 2, 70, 64, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    out = npu_attn.scaled_dot_product_attention(q, k, v)
+    assert "bfloat16" in _variant_choice._decided
+    assert "bfloat16" not in _variant_choice._decided_backward, "inference measured the backward"
+    out.float().sum().backward()
+    entry = _variant_choice._decided_backward["bfloat16"]
     if len(_variant_choice.backward_candidates("bfloat16")) < 2:
-        assert "backward" not in entry
+        assert entry["choice"] is None  # the forward's variant
         assert _C.active_backward_isa("bfloat16") == _C.active_isa("bfloat16")
         return
-    backward = entry["backward"]
-    assert set(backward["ms"]) == set(_variant_choice.BACKWARD_SHAPES)
-    assert backward["choice"] == _variant_choice.decide_backward(backward["ms"])
-    assert _C.active_backward_isa("bfloat16") == backward["choice"]  # what C++ will run
+    assert set(entry["ms"]) == set(_variant_choice.BACKWARD_SHAPES)
+    assert entry["choice"] == _variant_choice.decide_backward(entry["ms"])
+    assert _C.active_backward_isa("bfloat16") == entry["choice"]  # what C++ will run
     cache = json.loads((fresh_choice / "kernel_variants.json").read_text())
-    assert cache[_variant_choice.fingerprint()]["bfloat16"]["backward"] == backward
+    cached = cache[_variant_choice.fingerprint()]["bfloat16 backward"]
+    assert cached["choice"] == entry["choice"]
+    _variant_choice.forget()
+    assert _variant_choice.tune_backward("bfloat16")["source"].endswith("cached")
     # set_isa pins the backward too; None returns to the measured choice.
     npu_attn.set_isa("scalar")
     assert _C.active_backward_isa("bfloat16") == "scalar"
     npu_attn.set_isa(None)
-    _variant_choice.ensure("bfloat16")
-    assert _C.active_backward_isa("bfloat16") == backward["choice"]
+    _variant_choice.ensure("bfloat16", backward=True)
+    assert _C.active_backward_isa("bfloat16") == entry["choice"]
 
 
-def test_a_cache_without_the_backward_choice_is_measured_again(fresh_choice):
-    if len(_variant_choice.backward_candidates("bfloat16")) < 2:
-        pytest.skip("one bfloat16 backward kernel on this CPU: nothing to choose")
-    path = fresh_choice / "kernel_variants.json"
-    old = {"choice": _variant_choice._rule_choice("bfloat16"), "measured": "2026-01-01"}
-    path.write_text(json.dumps({_variant_choice.fingerprint(): {"bfloat16": old}}))
-    entry = _variant_choice.tune("bfloat16")
-    assert "backward" in entry and not entry["source"].endswith("cached")
+def test_the_float32_backward_follows_the_forward(fresh_choice):
+    entry = _variant_choice.tune_backward("float32")
+    assert entry["choice"] is None and "forward" in entry["source"]
+    assert _C.active_backward_isa("float32") == _C.active_isa("float32")
 
 
 def test_decide_backward_takes_the_lowest_geometric_mean():
