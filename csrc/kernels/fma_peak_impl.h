@@ -20,6 +20,9 @@
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles_impl.h"  // the tile configuration the AMX kernels use
+#endif
 
 namespace npu_attn {
 namespace {
@@ -109,18 +112,9 @@ void dpbf16_chains(int64_t iterations, float seed) {
 
 // ---------------------------------------------------------------- AMX tdpbf16ps
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Eight 16-row x 64-byte tiles: four float32 accumulators (16x16), two A tiles (16 rows x 32
-// bfloat16) and two B tiles (16 pair rows x 16 columns): a 2x2 block of products per iteration,
-// each 16 x 16 x 32 multiply-adds.
-struct alignas(64) PeakTileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-constexpr PeakTileConfig kPeakTileConfig = {
-    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+// Eight 16-row x 64-byte tiles (kTileConfig): four float32 accumulators (16x16), two A tiles (16
+// rows x 32 bfloat16) and two B tiles (16 pair rows x 16 columns): a 2x2 block of products per
+// iteration, each 16 x 16 x 32 multiply-adds.
 constexpr double kAmxFlopsPerIteration = 4 * 2.0 * 16 * 16 * 32;
 
 void amx_chains(int64_t iterations, float seed) {
@@ -131,7 +125,7 @@ void amx_chains(int64_t iterations, float seed) {
     a[i] = 0x3f80;  // 1.0
     b[i] = 0x3a83;  // ~1e-3
   }
-  _tile_loadconfig(&kPeakTileConfig);
+  configure_tiles();
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
