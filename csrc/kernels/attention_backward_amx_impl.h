@@ -29,23 +29,11 @@ namespace {
 static_assert(kBwdBlockQ == 4 * kTileRows && kBwdBlockK == 4 * kTileRows,
               "query and key tiles are 64: whole 32-row blocks of tiles, 32 pair words deep");
 
-struct AmxBackwardScratch {
-  uint32_t* kt_pairs;   // kw_pad x kBwdBlockK: K^T pairs, zero past the head dim and the keys
-  uint32_t* vt_pairs;   // vw_pad x kBwdBlockK: V^T pairs
-  uint32_t* k_pairs;    // kBwdBlockK/2 x dim_pad: K pairs along keys, zero past the keys
-  float* dk;            // kBwdBlockK x dim_pad: dK accumulator of the key tile (unscaled)
-  float* dv;            // kBwdBlockK x dim_v_pad: dV accumulator of the key tile
-  uint32_t* q_words;    // kBwdBlockQ x kw_pad: Q rows as pair words, zero past the rows
-  uint32_t* do_words;   // kBwdBlockQ x vw_pad: dO rows as pair words
-  uint32_t* q_pairs;    // kBwdBlockQ/2 x dim_pad: Q pairs along queries
-  uint32_t* do_pairs;   // kBwdBlockQ/2 x dim_v_pad: dO pairs along queries
-  float* probs;         // kBwdBlockQ x kBwdBlockK: S, then P
-  float* dscores;       // kBwdBlockQ x kBwdBlockK: dP, then dS
-  uint32_t* p_pairs;    // kBwdBlockQ/2 x kBwdBlockK: P pairs along queries
-  uint32_t* ds_pairs;   // kBwdBlockQ/2 x kBwdBlockK: dS pairs along queries
+// The vdpbf16ps backward's scratch with head-dim word rows padded to whole tiles (kw_pad, vw_pad
+// words), plus the transposed P and dS and a dQ tile.
+struct AmxBackwardScratch : PairBackwardScratch {
   uint32_t* pt_words;   // kBwdBlockK x kBwdBlockQ/2: P^T words (transpose of p_pairs)
   uint32_t* dst_words;  // kBwdBlockK x kBwdBlockQ/2: dS^T words
-  uint32_t* ds_words;   // kBwdBlockQ x kBwdBlockK/2: dS pairs along keys
   float* dq_tile;       // kBwdBlockQ x dim_pad: dS K of a tile with fewer than 64 queries
   int64_t kw_pad, vw_pad;
 };
@@ -100,35 +88,26 @@ struct AmxTileBackward {
   typedef AmxBackwardScratch Scratch;
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
-    const int64_t kw = tile_words_of(bp.fwd.head_dim), vw = tile_words_of(bp.fwd.head_dim_v);
-    return kBwdBlockK * (kw + vw) + kBwdBlockK / 2 * plan.dim_pad +
-           kBwdBlockK * (plan.dim_pad + plan.dim_v_pad) + kBwdBlockQ * (kw + vw) +
-           kBwdBlockQ / 2 * (plan.dim_pad + plan.dim_v_pad) + 2 * kBwdBlockQ * kBwdBlockK +
-           5 * (kBwdBlockQ / 2) * kBwdBlockK + kBwdBlockQ * plan.dim_pad;
+    return pair_backward_scratch_floats(plan, tile_words_of(bp.fwd.head_dim),
+                                        tile_words_of(bp.fwd.head_dim_v)) +
+           2 * kBwdBlockK * kBwdBlockQ / 2 + kBwdBlockQ * plan.dim_pad;
   }
 
+  // Also zeroes the K^T and V^T pair rows past the head dims once: pack_keys writes only the
+  // rows before them.
   static Scratch carve(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* base) {
     Scratch s{};
     s.kw_pad = tile_words_of(bp.fwd.head_dim);
     s.vw_pad = tile_words_of(bp.fwd.head_dim_v);
-    uint32_t* w = reinterpret_cast<uint32_t*>(base);
-    s.kt_pairs = w;
-    s.vt_pairs = s.kt_pairs + s.kw_pad * kBwdBlockK;
-    s.k_pairs = s.vt_pairs + s.vw_pad * kBwdBlockK;
-    s.dk = reinterpret_cast<float*>(s.k_pairs + kBwdBlockK / 2 * plan.dim_pad);
-    s.dv = s.dk + kBwdBlockK * plan.dim_pad;
-    s.q_words = reinterpret_cast<uint32_t*>(s.dv + kBwdBlockK * plan.dim_v_pad);
-    s.do_words = s.q_words + kBwdBlockQ * s.kw_pad;
-    s.q_pairs = s.do_words + kBwdBlockQ * s.vw_pad;
-    s.do_pairs = s.q_pairs + kBwdBlockQ / 2 * plan.dim_pad;
-    s.probs = reinterpret_cast<float*>(s.do_pairs + kBwdBlockQ / 2 * plan.dim_v_pad);
-    s.dscores = s.probs + kBwdBlockQ * kBwdBlockK;
-    s.p_pairs = reinterpret_cast<uint32_t*>(s.dscores + kBwdBlockQ * kBwdBlockK);
-    s.ds_pairs = s.p_pairs + kBwdBlockQ / 2 * kBwdBlockK;
-    s.pt_words = s.ds_pairs + kBwdBlockQ / 2 * kBwdBlockK;
+    static_cast<PairBackwardScratch&>(s) =
+        carve_pair_backward_scratch(plan, s.kw_pad, s.vw_pad, base);
+    s.pt_words =
+        reinterpret_cast<uint32_t*>(base) + pair_backward_scratch_floats(plan, s.kw_pad, s.vw_pad);
     s.dst_words = s.pt_words + kBwdBlockK * kBwdBlockQ / 2;
-    s.ds_words = s.dst_words + kBwdBlockK * kBwdBlockQ / 2;
-    s.dq_tile = reinterpret_cast<float*>(s.ds_words + kBwdBlockQ * kBwdBlockK / 2);
+    s.dq_tile = reinterpret_cast<float*>(s.dst_words + kBwdBlockK * kBwdBlockQ / 2);
+    const int64_t kw = words_of(bp.fwd.head_dim), vw = words_of(bp.fwd.head_dim_v);
+    zero_words(s.kt_pairs + kw * kBwdBlockK, (s.kw_pad - kw) * kBwdBlockK);
+    zero_words(s.vt_pairs + vw * kBwdBlockK, (s.vw_pad - vw) * kBwdBlockK);
     return s;
   }
 
@@ -136,20 +115,18 @@ struct AmxTileBackward {
   static void enter_thread(Scratch&) { configure_tiles(); }
   static void leave_thread(Scratch&) { _tile_release(); }
 
-  // Key tile t.k0 of K (as K^T pairs and pairs along keys) and V (as V^T pairs).
+  // Key tile t.k0 of K (as K^T pairs and pairs along keys) and V (as V^T pairs); the pair rows
+  // past the head dims stay zero from carve().
   template <typename T>
   static void pack_keys(const AttentionBackwardParams& bp, const BackwardPlan& plan,
                         const TileCoords& t, const T* k_typed, const T* v_typed, Scratch& s) {
     const AttentionParams& p = bp.fwd;
     const uint16_t* k = reinterpret_cast<const uint16_t*>(k_typed);
     const uint16_t* v = reinterpret_cast<const uint16_t*>(v_typed);
-    const int64_t kw = words_of(p.head_dim), vw = words_of(p.head_dim_v);
     pack_transposed_words(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, kBwdBlockK,
                           s.kt_pairs);
-    zero_words(s.kt_pairs + kw * kBwdBlockK, (s.kw_pad - kw) * kBwdBlockK);
     pack_transposed_words(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, kBwdBlockK,
                           s.vt_pairs);
-    zero_words(s.vt_pairs + vw * kBwdBlockK, (s.vw_pad - vw) * kBwdBlockK);
     pack_row_pairs_padded(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, kBwdBlockK,
                           plan.dim_pad, s.k_pairs);
   }

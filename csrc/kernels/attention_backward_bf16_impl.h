@@ -81,36 +81,48 @@ inline void scale_scores(const TileCoords& t, float scale, float* s) {
 }
 
 // ---------------------------------------------------------------- the tile kernel
+// A PairBackwardScratch whose K^T/V^T pair rows and Q/dO word rows hold `kw` and `vw` words
+// (the head dims' pair words; the AMX backward pads them to whole tiles): its floats, and its
+// carving from `base`.
+inline int64_t pair_backward_scratch_floats(const BackwardPlan& plan, int64_t kw, int64_t vw) {
+  return kBwdBlockK * (kw + vw) + kBwdBlockK / 2 * plan.dim_pad +
+         kBwdBlockK * (plan.dim_pad + plan.dim_v_pad) + kBwdBlockQ * (kw + vw) +
+         kBwdBlockQ / 2 * (plan.dim_pad + plan.dim_v_pad) + 2 * kBwdBlockQ * kBwdBlockK +
+         3 * (kBwdBlockQ / 2) * kBwdBlockK;
+}
+
+inline PairBackwardScratch carve_pair_backward_scratch(const BackwardPlan& plan, int64_t kw,
+                                                       int64_t vw, float* base) {
+  PairBackwardScratch s{};
+  uint32_t* w = reinterpret_cast<uint32_t*>(base);
+  s.kt_pairs = w;
+  s.vt_pairs = s.kt_pairs + kw * kBwdBlockK;
+  s.k_pairs = s.vt_pairs + vw * kBwdBlockK;
+  s.dk = reinterpret_cast<float*>(s.k_pairs + kBwdBlockK / 2 * plan.dim_pad);
+  s.dv = s.dk + kBwdBlockK * plan.dim_pad;
+  s.q_words = reinterpret_cast<uint32_t*>(s.dv + kBwdBlockK * plan.dim_v_pad);
+  s.do_words = s.q_words + kBwdBlockQ * kw;
+  s.q_pairs = s.do_words + kBwdBlockQ * vw;
+  s.do_pairs = s.q_pairs + kBwdBlockQ / 2 * plan.dim_pad;
+  s.probs = reinterpret_cast<float*>(s.do_pairs + kBwdBlockQ / 2 * plan.dim_v_pad);
+  s.dscores = s.probs + kBwdBlockQ * kBwdBlockK;
+  s.p_pairs = reinterpret_cast<uint32_t*>(s.dscores + kBwdBlockQ * kBwdBlockK);
+  s.ds_pairs = s.p_pairs + kBwdBlockQ / 2 * kBwdBlockK;
+  s.ds_words = s.ds_pairs + kBwdBlockQ / 2 * kBwdBlockK;
+  return s;
+}
+
 struct PairTileBackward {
   typedef PairBackwardScratch Scratch;
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
-    const int64_t kw = words_of(bp.fwd.head_dim), vw = words_of(bp.fwd.head_dim_v);
-    return kBwdBlockK * (kw + vw) + kBwdBlockK / 2 * plan.dim_pad +
-           kBwdBlockK * (plan.dim_pad + plan.dim_v_pad) + kBwdBlockQ * (kw + vw) +
-           kBwdBlockQ / 2 * (plan.dim_pad + plan.dim_v_pad) + 2 * kBwdBlockQ * kBwdBlockK +
-           3 * (kBwdBlockQ / 2) * kBwdBlockK;
+    return pair_backward_scratch_floats(plan, words_of(bp.fwd.head_dim),
+                                        words_of(bp.fwd.head_dim_v));
   }
 
   static Scratch carve(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* base) {
-    const int64_t kw = words_of(bp.fwd.head_dim), vw = words_of(bp.fwd.head_dim_v);
-    Scratch s{};
-    uint32_t* w = reinterpret_cast<uint32_t*>(base);
-    s.kt_pairs = w;
-    s.vt_pairs = s.kt_pairs + kw * kBwdBlockK;
-    s.k_pairs = s.vt_pairs + vw * kBwdBlockK;
-    s.dk = reinterpret_cast<float*>(s.k_pairs + kBwdBlockK / 2 * plan.dim_pad);
-    s.dv = s.dk + kBwdBlockK * plan.dim_pad;
-    s.q_words = reinterpret_cast<uint32_t*>(s.dv + kBwdBlockK * plan.dim_v_pad);
-    s.do_words = s.q_words + kBwdBlockQ * kw;
-    s.q_pairs = s.do_words + kBwdBlockQ * vw;
-    s.do_pairs = s.q_pairs + kBwdBlockQ / 2 * plan.dim_pad;
-    s.probs = reinterpret_cast<float*>(s.do_pairs + kBwdBlockQ / 2 * plan.dim_v_pad);
-    s.dscores = s.probs + kBwdBlockQ * kBwdBlockK;
-    s.p_pairs = reinterpret_cast<uint32_t*>(s.dscores + kBwdBlockQ * kBwdBlockK);
-    s.ds_pairs = s.p_pairs + kBwdBlockQ / 2 * kBwdBlockK;
-    s.ds_words = s.ds_pairs + kBwdBlockQ / 2 * kBwdBlockK;
-    return s;
+    return carve_pair_backward_scratch(plan, words_of(bp.fwd.head_dim), words_of(bp.fwd.head_dim_v),
+                                       base);
   }
   static void enter_thread(Scratch&) {}
   static void leave_thread(Scratch&) {}

@@ -259,18 +259,21 @@ def decide_backward(ms: dict[str, dict[str, float]]) -> str:
     return min(sorted(common), key=lambda n: sum(math.log(per[n]) for per in ms.values()))
 
 
-def _timings(per: dict[str, float]) -> str:
+def format_timings(per: dict[str, float]) -> str:
+    """``{variant: ms}`` as "fastest 1.00 ms, next 1.50 ms, ..."."""
     return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1]))
 
 
 def _describe(dtype: str, entry: dict[str, Any]) -> str:
     parts = [
-        f"{shape_class}: {entry['choice'][shape_class]} ({_timings(per)})"
+        f"{shape_class}: {entry['choice'][shape_class]} ({format_timings(per)})"
         for shape_class, per in entry.get("ms", {}).items()
     ]
     backward = entry.get("backward")
     if backward and backward.get("ms"):
-        timings = "; ".join(f"{label}: {_timings(per)}" for label, per in backward["ms"].items())
+        timings = "; ".join(
+            f"{label}: {format_timings(per)}" for label, per in backward["ms"].items()
+        )
         parts.append(f"backward: {backward['choice']} ({timings})")
     return f"{dtype}: " + "; ".join(parts)
 

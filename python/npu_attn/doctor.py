@@ -158,6 +158,8 @@ def _detail(t: dict[str, Any]) -> str:
 
 
 def _variant_lines(report: dict[str, Any]) -> list[str]:
+    from . import _variant_choice
+
     lines = []
     for dtype, v in report["variant_choice"].items():
         names = set(v["choice"].values())
@@ -167,19 +169,15 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
             chosen = ", ".join(f"{cls}: {name}" for cls, name in v["choice"].items())
         lines.append(f"  {dtype:9} {chosen}  [{v['source']}]")
         for shape_class, per in v.get("ms", {}).items():
-            timings = ", ".join(
-                f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
-            )
-            lines.append(f"  {'':9}   {shape_class}: {timings}")
+            lines.append(f"  {'':9}   {shape_class}: {_variant_choice.format_timings(per)}")
         backward = v.get("backward")
         if backward:
-            chosen = backward["choice"] or "the forward's variant"
-            lines.append(f"  {'':9}   backward: {chosen}  [{backward['source']}]")
+            if backward["choice"] is None:  # the source says why it follows the forward
+                lines.append(f"  {'':9}   backward: {backward['source']}")
+            else:
+                lines.append(f"  {'':9}   backward: {backward['choice']}  [{backward['source']}]")
             for label, per in backward.get("ms", {}).items():
-                timings = ", ".join(
-                    f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1])
-                )
-                lines.append(f"  {'':9}     {label}: {timings}")
+                lines.append(f"  {'':9}     {label}: {_variant_choice.format_timings(per)}")
     lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
     return lines
 
