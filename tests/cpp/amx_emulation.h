@@ -5,12 +5,14 @@
 // _tile_dpbf16ps) by functions on per-thread tile registers in memory.
 //
 // It checks what the hardware would fault on: a tile used before a configuration was loaded
-// or after it was released, a palette other than 1, a tile with zero rows or more than 16 rows
-// or 64 bytes, and tdpbf16ps operands whose configured shapes do not chain (A rows = C rows,
+// or after it was released, a palette other than 1, non-zero reserved configuration bytes, a
+// tile with zero rows or more than 16 rows or 64 bytes, tdpbf16ps operands that are not three
+// distinct tiles, and tdpbf16ps operands whose configured shapes do not chain (A rows = C rows,
 // A bytes per row = 4 x B rows, B bytes per row = C bytes per row). Such a misuse prints what
-// was wrong and aborts. Arithmetic follows tdpbf16ps: each bfloat16 pair product is exact in
-// float32 and added to the float32 accumulator (the hardware's summation order and denormal
-// flushing may differ in the last bit; the tests' tolerances are far wider).
+// was wrong and aborts (test_amx_emulation.cpp checks each). Arithmetic follows tdpbf16ps:
+// each bfloat16 pair product is exact in float32 and added to the float32 accumulator (the
+// hardware's summation order and denormal flushing may differ in the last bit; the tests'
+// tolerances are far wider).
 //
 // Test-only: slow (one scalar multiply-add per bfloat16 pair) and never part of the library.
 #pragma once
@@ -58,6 +60,9 @@ inline void check_tile(int t) {
 inline void load_config(const void* config) {
   const auto* bytes = static_cast<const uint8_t*>(config);
   if (bytes[0] != 1) fail("palette must be 1", -1);
+  for (int i = 2; i < 16; ++i) {
+    if (bytes[i] != 0) fail("reserved configuration bytes must be zero", -1);
+  }
   TileUnit& u = unit();
   for (int t = 0; t < 16; ++t) {
     uint16_t width;
@@ -113,6 +118,7 @@ inline void dpbf16ps(int c, int a, int b) {
   check_tile(c);
   check_tile(a);
   check_tile(b);
+  if (c == a || c == b || a == b) fail("tdpbf16ps needs three distinct tiles", c);
   TileUnit& u = unit();
   const int m_rows = u.rows[c], n_cols = u.bytes_per_row[c] / 4, k_pairs = u.bytes_per_row[a] / 4;
   if (u.rows[a] != m_rows) fail("A rows differ from C rows", a);
