@@ -386,16 +386,19 @@ def ensure(dtype: str, backward: bool = False) -> None:
 def pin(name: Optional[str]) -> None:
     """``set_isa``: force one variant for every dtype (``None``: back to the measured choice)."""
     global _pinned
+    # All under the lock: a tune() in another thread then either finishes first (and the rule
+    # below replaces its choice, which is forgotten too) or starts after (and what it applies
+    # is what _decided records); never the rule in C++ behind a decision that says otherwise.
     with _lock:
         _pinned = name
         _decided.clear()
         _decided_backward.clear()
-    if name is None:
-        for dtype in DTYPES:  # the rule until the next use measures or loads the choice
-            _apply(dtype, {"choice": _rule_choice(dtype)})
-            _C.set_backward_isa(None, dtype)
-    else:
-        _C.set_isa(name)  # the backward's too
+        if name is None:
+            for dtype in DTYPES:  # the rule until the next use measures or loads the choice
+                _apply(dtype, {"choice": _rule_choice(dtype)})
+                _C.set_backward_isa(None, dtype)
+        else:
+            _C.set_isa(name)  # the backward's too
 
 
 def forget() -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -167,6 +168,30 @@ def test_set_isa_pins_every_dtype_and_none_returns_to_the_measurement(fresh_choi
     assert npu_attn.active_isa("float32") == measured["choice"]["self-attention"]
     with pytest.raises(ValueError, match="isa must be one of"):
         npu_attn.set_isa("sse9")
+
+
+def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monkeypatch):
+    # A tune() in another thread lands while set_isa(None) is applying the rule: afterwards C++
+    # must run what the recorded decision says (before the fix the rule overwrote it, and the
+    # recorded decision kept ensure() from ever correcting that).
+    chosen = {"choice": dict.fromkeys(_C.shape_classes(), "scalar"), "source": "test"}
+    monkeypatch.setattr(_variant_choice, "_measure_and_store", lambda dtype: dict(chosen))
+    rule = _variant_choice._rule_choice
+    racers: list[threading.Thread] = []
+
+    def rule_with_a_racing_tune(dtype: str) -> dict[str, str]:
+        if not racers:
+            racers.append(threading.Thread(target=_variant_choice.tune, args=("float32",)))
+            racers[0].start()
+            racers[0].join(timeout=0.5)  # time for it to finish, unless set_isa holds the lock
+        return rule(dtype)
+
+    monkeypatch.setattr(_variant_choice, "_rule_choice", rule_with_a_racing_tune)
+    npu_attn.set_isa(None)
+    racers[0].join()
+    assert _variant_choice._decided["float32"]["choice"]["self-attention"] == "scalar"
+    for shape_class in _C.shape_classes():
+        assert _C.active_isa("float32", shape_class) == "scalar"
 
 
 def test_environment_variable_forces_one_variant(tmp_path):
