@@ -29,10 +29,9 @@ from npu_attn.bench import model_cases
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return names[0] if names else "unknown CPU"
+def cpu_model(ext) -> str:
+    """The CPU's brand string, as build ``ext`` reads it (CPUID)."""
+    return ext.cpu_info()["model"]
 
 
 def load_extension(path: str, alias: str):
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
     builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
     pinned = dict(item.split("=", 1) for item in args.isa)
     pinned_a = dict(item.split("=", 1) for item in args.isa_a)
-    info = {"cpu": cpu_model()}
+    info = {"cpu": cpu_model(builds[1])}
     print(f"# A/B ({'backward' if args.backward else 'forward'}): {args.a} vs {args.b}")
     print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
     print("| shape | dtype | variant (A / B) | A ms | B ms | B/A | max abs diff |")

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import threading
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _runtime
+from . import _C, _runtime
 from ._backends import npu as npu_backend
 from ._backends.base import needs_grad
 from ._timing import interleaved_medians
@@ -62,19 +61,10 @@ class AutoSelector:
 
     @staticmethod
     def fingerprint() -> str:
-        cpu = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        cpu = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
         from ._version import __version__
 
         parts = [
-            cpu,
+            _C.cpu_info()["model"],  # CPUID's brand string, on any OS
             str(os.cpu_count()),
             str(_runtime.get_num_threads()),
             torch.__version__,

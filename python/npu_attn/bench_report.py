@@ -41,15 +41,7 @@ def machine_info(threads: int) -> dict:
     from . import _C, _runtime
     from ._version import __version__
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                cpu,
-            )
-    except OSError:
-        pass
+    cpu = _C.cpu_info()["model"]  # CPUID's brand string, on any OS
     isa = _runtime.active_isa("float32")
     variants = _runtime.kernel_variants()
     return {
