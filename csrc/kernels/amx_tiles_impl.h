@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 
+#include <cassert>
 #include <cstdint>
 
 namespace npu_attn {
@@ -80,6 +81,8 @@ inline void tile_block(const uint32_t* a0, const uint32_t* a1, int64_t sa, const
 template <bool Accumulate>
 void tile_product(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t rows,
                   int64_t depth, int64_t cols, float* c, int64_t ldc) {
+  // Anything else would silently drop a tail (checked in the sanitizer build, -UNDEBUG).
+  assert(rows % (2 * kTileRows) == 0 && depth % kTileWords == 0 && cols % kTileWords == 0);
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
   for (int64_t i = 0; i < rows; i += 2 * kTileRows) {
     const uint32_t* a0 = a + i * lda;
