@@ -390,6 +390,10 @@ def pin(name: Optional[str]) -> None:
     # below replaces its choice, which is forgotten too) or starts after (and what it applies
     # is what _decided records); never the rule in C++ behind a decision that says otherwise.
     with _lock:
+        if name is not None:
+            # First, so a variant this CPU cannot run raises before anything is recorded: a
+            # recorded pin would make every later kernel call raise too.
+            _C.set_isa(name)  # the backward's too
         _pinned = name
         _decided.clear()
         _decided_backward.clear()
@@ -397,8 +401,6 @@ def pin(name: Optional[str]) -> None:
             for dtype in DTYPES:  # the rule until the next use measures or loads the choice
                 _apply(dtype, {"choice": _rule_choice(dtype)})
                 _C.set_backward_isa(None, dtype)
-        else:
-            _C.set_isa(name)  # the backward's too
 
 
 def forget() -> None:

@@ -174,7 +174,12 @@ def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monk
     # A tune() in another thread lands while set_isa(None) is applying the rule: afterwards C++
     # must run what the recorded decision says (before the fix the rule overwrote it, and the
     # recorded decision kept ensure() from ever correcting that).
-    chosen = {"choice": dict.fromkeys(_C.shape_classes(), "scalar"), "source": "test"}
+    rule_variant = _C.default_isa("float32")
+    others = [name for name in npu_attn.available_isas() if name != rule_variant]
+    if not others:
+        pytest.skip("this CPU runs one variant: a racing choice could not differ from the rule")
+    racing = others[0]
+    chosen = {"choice": dict.fromkeys(_C.shape_classes(), racing), "source": "test"}
     monkeypatch.setattr(_variant_choice, "_measure_and_store", lambda dtype: dict(chosen))
     rule = _variant_choice._rule_choice
     racers: list[threading.Thread] = []
@@ -189,9 +194,36 @@ def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monk
     monkeypatch.setattr(_variant_choice, "_rule_choice", rule_with_a_racing_tune)
     npu_attn.set_isa(None)
     racers[0].join()
-    assert _variant_choice._decided["float32"]["choice"]["self-attention"] == "scalar"
+    assert _variant_choice._decided["float32"]["choice"]["self-attention"] == racing
     for shape_class in _C.shape_classes():
-        assert _C.active_isa("float32", shape_class) == "scalar"
+        assert _C.active_isa("float32", shape_class) == racing
+
+
+@pytest.mark.skipif(not X86, reason="needs an x86 build (AVX2 masked off in the detector)")
+def test_set_isa_of_a_variant_this_cpu_cannot_run_changes_nothing(tmp_path):
+    # With AVX2 masked off, the avx2 variant is compiled but cannot run: set_isa must raise,
+    # record no pin, and leave attention working on the variant it had.
+    result = _run(
+        """
+        import torch, npu_attn
+        from npu_attn import _variant_choice
+        q = torch.randn(1, 2, 33, 40)
+        before = npu_attn.scaled_dot_product_attention(q, q, q)
+        try:
+            npu_attn.set_isa("avx2")
+        except RuntimeError as e:
+            print("raised:", e)
+        assert _variant_choice._pinned is None, _variant_choice._pinned
+        after = npu_attn.scaled_dot_product_attention(q, q, q)
+        assert torch.equal(before, after)
+        print("active", npu_attn.active_isa("float32"))
+        """,
+        NPU_ATTN_DISABLE_FEATURES="avx2",
+        NPU_ATTN_CACHE_DIR=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "raised:" in result.stdout and "avx2" in result.stdout
+    assert "active scalar" in result.stdout
 
 
 def test_environment_variable_forces_one_variant(tmp_path):
