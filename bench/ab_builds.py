@@ -30,8 +30,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cpu_model(ext) -> str:
-    """The CPU's brand string, as build ``ext`` reads it (CPUID)."""
-    return ext.cpu_info()["model"]
+    """The CPU's brand string, as build ``ext`` reads it (CPUID; empty off x86)."""
+    return ext.cpu_info()["model"] or "unknown CPU"
 
 
 def load_extension(path: str, alias: str):

@@ -72,8 +72,12 @@ void fill_identity(CpuInfo& info) {
     std::memcpy(brand + 16 * leaf + 8, &c, 4);
     std::memcpy(brand + 16 * leaf + 12, &d, 4);
   }
-  info.model = brand;
-  while (!info.model.empty() && info.model.back() == ' ') info.model.pop_back();
+  // Older Intel brand strings are right-justified: trim both ends (as Linux's "model name").
+  const std::string model = brand;
+  const size_t first = model.find_first_not_of(' ');
+  info.model = first == std::string::npos
+                   ? ""
+                   : model.substr(first, model.find_last_not_of(' ') - first + 1);
 }
 
 // Linux 5.16+ hands out the AMX tile data state only on request (arch_prctl

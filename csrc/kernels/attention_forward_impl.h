@@ -64,8 +64,9 @@ constexpr int kPvKeyChunk = 128;
 // once per 6 output channels, and at 512 channels a 32-key chunk (8 KiB of P^T) measured ~20%
 // faster than 128 keys (32 KiB, all of L1) on Zen 4, ~6% at 384, and no better below. The
 // bfloat16 pair kernel (16 key pairs per pass): 23% faster at the VAE's 512 (512px). With
-// 256-bit vectors (AVX2) the pass walks its row blocks over four query groups (rows-outer,
-// run_query_tile), and 16 keys measured best there (micro-benchmark, Zen 4 with AVX-512 off).
+// 256-bit vectors (AVX2) the pass walks its row blocks over up to four query groups (rows-outer,
+// run_query_tile; four at 64-query tiles), and 16 keys measured best there (micro-benchmark,
+// Zen 4 with AVX-512 off).
 constexpr int kPvKeyChunkLargeDim = kVecBytes == 32 ? 16 : 32;
 constexpr int64_t kLargeDimV = 384;
 

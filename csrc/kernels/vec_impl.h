@@ -261,11 +261,12 @@ void broadcast_fma_block(const float* a, int64_t lda, const float* b, int64_t ld
 //   64-byte line per 256-byte row of B: those lines fall into a quarter of L1's sets, so at
 //   large depths they evict each other before the next row block reuses them. S^T = K Q^T on
 //   AVX2 at head dim 512 measured ~40% faster rows-outer (single thread, Zen 4); where the
-//   tile is a single column group (AVX-512's 64 queries) the two orders are the same loop.
+//   tile is a single column group (AVX-512's 64 queries) the two orders are the same loop. The
+//   portable 16-byte variant (eight groups per 64 queries) walks rows-outer too, unmeasured.
 enum class BlockOrder { kColumnGroupsOuter, kRowBlocksOuter };
 
-// Calls block(Count<Rows>, Count<Vecs>, first_row, first_vec) for every column group of the
-// `rows` x `vecs` product's row blocks [first_row, first_row + Rows).
+// Calls block(Count<Rows>, Count<Vecs>, r, first_vec) for every column group of the row block
+// [r, r + Rows) of a product `vecs` vectors wide.
 template <int Rows, typename Block>
 NPU_ATTN_VEC_INLINE void for_each_column_group(int64_t r, int64_t vecs, Block&& block) {
   for (int64_t v0 = 0; v0 < vecs; v0 += kMaxBlockVecs) {

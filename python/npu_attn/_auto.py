@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import tempfile
 import threading
 from pathlib import Path
@@ -64,7 +65,7 @@ class AutoSelector:
         from ._version import __version__
 
         parts = [
-            _C.cpu_info()["model"],  # CPUID's brand string, on any OS
+            _C.cpu_info()["model"] or platform.machine(),  # CPUID's brand string (x86)
             str(os.cpu_count()),
             str(_runtime.get_num_threads()),
             torch.__version__,

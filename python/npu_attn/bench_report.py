@@ -41,7 +41,7 @@ def machine_info(threads: int) -> dict:
     from . import _C, _runtime
     from ._version import __version__
 
-    cpu = _C.cpu_info()["model"]  # CPUID's brand string, on any OS
+    cpu = _C.cpu_info()["model"] or platform.machine()  # CPUID's brand string (x86)
     isa = _runtime.active_isa("float32")
     variants = _runtime.kernel_variants()
     return {

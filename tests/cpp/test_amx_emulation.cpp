@@ -35,9 +35,10 @@ uint16_t bf16(float x) {  // exact for the small integers used here
 
 class AmxEmulation : public ::testing::Test {
  protected:
-  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
   void TearDown() override { emu::release(); }
 };
+// Death tests fork; GoogleTest runs *DeathTest suites first, before other tests start threads.
+using AmxEmulationDeathTest = AmxEmulation;
 
 TEST_F(AmxEmulation, DotProductOfBfloat16PairsAccumulatesInFloat32) {
   // C (2 x 2 float32) += A (2 rows x 2 pairs) . B (2 pair-rows x 2 columns)
@@ -68,7 +69,7 @@ TEST_F(AmxEmulation, DotProductOfBfloat16PairsAccumulatesInFloat32) {
   }
 }
 
-TEST_F(AmxEmulation, MisusesTheHardwareFaultsOnAbort) {
+TEST_F(AmxEmulationDeathTest, MisusesTheHardwareFaultsOnAbort) {
   const TileConfig good(2, 8);
   uint8_t buffer[16][64] = {};
   EXPECT_DEATH(emu::zero(0), "without a loaded configuration");
@@ -96,7 +97,28 @@ TEST_F(AmxEmulation, MisusesTheHardwareFaultsOnAbort) {
   EXPECT_DEATH(
       {
         TileConfig bad = good;
-        bad.set_tile(1, 17, 8);
+        bad.bytes[16 + 2 * 12] = 4;  // a width for tile 12, rows left zero
+        emu::load_config(bad.bytes);
+      },
+      "palette 1 has 8 tiles");
+  EXPECT_DEATH(
+      {
+        TileConfig bad = good;
+        bad.set_tile(1, 17, 8);  // 17 rows
+        emu::load_config(bad.bytes);
+      },
+      "bad tile shape");
+  EXPECT_DEATH(
+      {
+        TileConfig bad = good;
+        bad.set_tile(1, 2, 68);  // 68 bytes a row
+        emu::load_config(bad.bytes);
+      },
+      "bad tile shape");
+  EXPECT_DEATH(
+      {
+        TileConfig bad = good;
+        bad.set_tile(1, 2, 6);  // not whole 32-bit words
         emu::load_config(bad.bytes);
       },
       "bad tile shape");
@@ -123,6 +145,12 @@ TEST_F(AmxEmulation, MisusesTheHardwareFaultsOnAbort) {
       {
         emu::load_config(good.bytes);
         emu::dpbf16ps(0, 1, 1);
+      },
+      "three distinct tiles");
+  EXPECT_DEATH(
+      {
+        emu::load_config(good.bytes);
+        emu::dpbf16ps(2, 1, 2);
       },
       "three distinct tiles");
   EXPECT_DEATH(
