@@ -20,3 +20,20 @@ def test_a_run_without_model_shapes_says_so_instead_of_printing_nan():
     text = bench_report.markdown(report_without_model_rows())
     assert "No named model shape in this run" in text
     assert "nan" not in text.lower()
+
+
+def test_the_peak_is_the_best_of_several_probes(monkeypatch):
+    # A probe disturbed by the hypervisor reads low; the report's peak is the highest reading.
+    readings = iter([150.0, 228.0, 201.0])
+    calls = []
+
+    def probe(isa, dtype, threads, seconds):
+        calls.append((isa, dtype, threads))
+        return next(readings)
+
+    monkeypatch.setattr(bench_report, "PEAK_PROBES", 3)
+    from npu_attn import _C
+
+    monkeypatch.setattr(_C, "peak_gflops", probe)
+    assert bench_report.measured_peak("avx2", "float32", 2) == 228.0
+    assert calls == [("avx2", "float32", 2)] * 3
