@@ -69,59 +69,42 @@ TEST_F(AmxEmulation, DotProductOfBfloat16PairsAccumulatesInFloat32) {
   }
 }
 
-TEST_F(AmxEmulationDeathTest, MisusesTheHardwareFaultsOnAbort) {
+// The configuration `good` with one change.
+template <typename Change>
+TileConfig changed(const TileConfig& good, Change change) {
+  TileConfig config = good;
+  change(config);
+  return config;
+}
+
+// Loads `config`, then runs tdpbf16ps(c, a, b).
+void multiply(const TileConfig& config, int c, int a, int b) {
+  emu::load_config(config.bytes);
+  emu::dpbf16ps(c, a, b);
+}
+
+TEST_F(AmxEmulationDeathTest, BadConfigurationsAbort) {
+  const TileConfig good(2, 8);
+  auto load = [](const TileConfig& config) { emu::load_config(config.bytes); };
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.bytes[0] = 0; })), "palette must be 1");
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.bytes[7] = 1; })),
+               "reserved configuration bytes");
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.set_tile(9, 2, 8); })),
+               "palette 1 has 8 tiles");
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.bytes[16 + 2 * 12] = 4; })),
+               "palette 1 has 8 tiles");  // a width for tile 12, its rows left zero
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.set_tile(1, 17, 8); })),
+               "bad tile shape");  // 17 rows
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.set_tile(1, 2, 68); })),
+               "bad tile shape");  // 68 bytes a row
+  EXPECT_DEATH(load(changed(good, [](TileConfig& c) { c.set_tile(1, 2, 6); })),
+               "bad tile shape");  // not whole 32-bit words
+}
+
+TEST_F(AmxEmulationDeathTest, TilesUsedWithoutTheirConfigurationAbort) {
   const TileConfig good(2, 8);
   uint8_t buffer[16][64] = {};
   EXPECT_DEATH(emu::zero(0), "without a loaded configuration");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.bytes[0] = 0;
-        emu::load_config(bad.bytes);
-      },
-      "palette must be 1");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.bytes[7] = 1;
-        emu::load_config(bad.bytes);
-      },
-      "reserved configuration bytes");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(9, 2, 8);
-        emu::load_config(bad.bytes);
-      },
-      "palette 1 has 8 tiles");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.bytes[16 + 2 * 12] = 4;  // a width for tile 12, rows left zero
-        emu::load_config(bad.bytes);
-      },
-      "palette 1 has 8 tiles");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(1, 17, 8);  // 17 rows
-        emu::load_config(bad.bytes);
-      },
-      "bad tile shape");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(1, 2, 68);  // 68 bytes a row
-        emu::load_config(bad.bytes);
-      },
-      "bad tile shape");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(1, 2, 6);  // not whole 32-bit words
-        emu::load_config(bad.bytes);
-      },
-      "bad tile shape");
   EXPECT_DEATH(
       {
         emu::load_config(good.bytes);
@@ -135,48 +118,19 @@ TEST_F(AmxEmulationDeathTest, MisusesTheHardwareFaultsOnAbort) {
         emu::zero(0);
       },
       "without a loaded configuration");
-  EXPECT_DEATH(
-      {
-        emu::load_config(good.bytes);
-        emu::dpbf16ps(0, 0, 2);
-      },
-      "three distinct tiles");
-  EXPECT_DEATH(
-      {
-        emu::load_config(good.bytes);
-        emu::dpbf16ps(0, 1, 1);
-      },
-      "three distinct tiles");
-  EXPECT_DEATH(
-      {
-        emu::load_config(good.bytes);
-        emu::dpbf16ps(2, 1, 2);
-      },
-      "three distinct tiles");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(1, 3, 8);  // A has 3 rows, C 2
-        emu::load_config(bad.bytes);
-        emu::dpbf16ps(0, 1, 2);
-      },
-      "A rows differ from C rows");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(2, 3, 8);  // B has 3 rows, A 2 pairs per row
-        emu::load_config(bad.bytes);
-        emu::dpbf16ps(0, 1, 2);
-      },
-      "B rows differ");
-  EXPECT_DEATH(
-      {
-        TileConfig bad = good;
-        bad.set_tile(2, 2, 16);  // B rows 16 bytes, C rows 8
-        emu::load_config(bad.bytes);
-        emu::dpbf16ps(0, 1, 2);
-      },
-      "B row bytes differ");
+}
+
+TEST_F(AmxEmulationDeathTest, ProductsOnTilesThatDoNotChainAbort) {
+  const TileConfig good(2, 8);
+  EXPECT_DEATH(multiply(good, 0, 0, 2), "three distinct tiles");
+  EXPECT_DEATH(multiply(good, 0, 1, 1), "three distinct tiles");
+  EXPECT_DEATH(multiply(good, 2, 1, 2), "three distinct tiles");
+  EXPECT_DEATH(multiply(changed(good, [](TileConfig& c) { c.set_tile(1, 3, 8); }), 0, 1, 2),
+               "A rows differ from C rows");  // A has 3 rows, C 2
+  EXPECT_DEATH(multiply(changed(good, [](TileConfig& c) { c.set_tile(2, 3, 8); }), 0, 1, 2),
+               "B rows differ");  // B has 3 rows, A 2 pairs a row
+  EXPECT_DEATH(multiply(changed(good, [](TileConfig& c) { c.set_tile(2, 2, 16); }), 0, 1, 2),
+               "B row bytes differ");  // B rows 16 bytes, C rows 8
 }
 
 }  // namespace
