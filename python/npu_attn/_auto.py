@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import threading
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _C, _runtime
+from . import _runtime
 from ._backends import npu as npu_backend
 from ._backends.base import needs_grad
 from ._timing import interleaved_medians
@@ -65,7 +64,7 @@ class AutoSelector:
         from ._version import __version__
 
         parts = [
-            _C.cpu_info()["model"] or platform.machine(),  # CPUID's brand string (x86)
+            _runtime.cpu_model(),
             str(os.cpu_count()),
             str(_runtime.get_num_threads()),
             torch.__version__,

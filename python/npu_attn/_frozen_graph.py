@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_hash_for_files
 
-from . import _C
+from . import _runtime
 
 
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
@@ -53,7 +53,7 @@ class FrozenGraphPass(CustomInferenceAwareGraphPass):
         # the thread count are in it: a graph cached on this CPU keeps its decisions. (Graphs
         # holding oneDNN-packed constants are not cached by inductor today; the id keeps a
         # cached graph correct if they ever are.)
-        extra = f"{self.choice}|{_C.cpu_info()['model']}|{torch.get_num_threads()}"
+        extra = f"{self.choice}|{_runtime.cpu_model()}|{torch.get_num_threads()}"
         return get_hash_for_files(self.FILES + (__file__,), extra=extra)
 
 

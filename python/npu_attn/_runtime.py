@@ -9,6 +9,7 @@ and importing fails with a clear message if the machine cannot run a requested v
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from typing import Any, Optional
 
@@ -29,6 +30,11 @@ __all__ = [
 MAX_THREADS = max(1024, 4 * (os.cpu_count() or 1))
 
 _explicit_threads: Optional[int] = None
+
+
+def cpu_model() -> str:
+    """This CPU's model name: the CPUID brand string (x86), else the machine type."""
+    return _C.cpu_info()["model"] or platform.machine()
 
 
 def set_num_threads(threads: Optional[int]) -> None:

@@ -53,14 +53,15 @@ def compute_peak(dtype: str, threads: int) -> dict:
 def machine_info(threads: int) -> dict:
     import torch
 
-    from . import _C, _runtime
+    from . import _runtime
     from ._version import __version__
 
-    cpu = _C.cpu_info()["model"] or platform.machine()  # CPUID's brand string (x86)
     isa = _runtime.active_isa("float32")
     variants = _runtime.kernel_variants()
+    # per dtype: the measured peak of the compute path its self-attention variant runs on
+    peaks = {dtype: compute_peak(dtype, threads) for dtype in DTYPES}
     return {
-        "cpu": cpu,
+        "cpu": _runtime.cpu_model(),
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "kernel_isa": isa,
@@ -68,9 +69,8 @@ def machine_info(threads: int) -> dict:
         "kernel_variants": {
             dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
         },
-        "fma_peak_gflops": round(measured_peak(isa, "float32", threads), 1),
-        # per dtype: the measured peak of the compute path its self-attention variant runs on
-        "peak_gflops": {dtype: compute_peak(dtype, threads) for dtype in DTYPES},
+        "fma_peak_gflops": peaks["float32"]["gflops"],  # float32 runs on `isa`'s FMA path
+        "peak_gflops": peaks,
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "npu_attn": __version__,
