@@ -239,6 +239,24 @@ def test_inputs_are_not_modified():
         assert torch.equal(original, copy)
 
 
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "mask"])
+def test_inputs_that_require_grad_run_the_kernel_under_no_grad(with_mask):
+    # The kernel exports only tensors that do not require grad (DLPack refuses the others):
+    # these are detached for the call, and stay as the caller made them.
+    q, k, v = (torch.randn(2, 3, 17, 40, requires_grad=True) for _ in range(3))
+    mask = torch.randn(17, 17, requires_grad=True) if with_mask else None
+    before = npu_attn.call_counts().get("tiled", 0)
+    with torch.no_grad():
+        out, lse = npu_attn.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, return_lse=True, backend="tiled"
+        )
+    assert npu_attn.call_counts().get("tiled", 0) == before + 1
+    assert not out.requires_grad and not lse.requires_grad
+    detached = [None if t is None else t.detach() for t in (q, k, v, mask)]
+    assert max_err(out, reference_sdpa(*detached[:3], attn_mask=detached[3])) < 1e-5
+    assert all(t.requires_grad and t.grad is None for t in (q, k, v))
+
+
 def test_numpy_inputs_return_numpy():
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, 3, 20, 16), dtype=np.float32)
