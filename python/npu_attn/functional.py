@@ -307,16 +307,26 @@ def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool
     it says False, so npu_attn's output is viewable whenever torch's is."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
-    if query.stride(1) >= query.stride(2):  # heads outside the sequence: torch's is viewable
-        return False
     (b, hq, lq, d), (bk, hk, lk, dk), (bv, hv, _, dv) = query.shape, key.shape, value.shape
-    if not (b == bk == bv and hk == hv and d == dk == dv and lq > 0 and lk > 0):
+    if not (b == bk == bv and hk == hv and d == dk and lq > 0 and lk > 0):
         return False
     if hq != hk and not (enable_gqa and hk > 0 and hq % hk == 0):
         return False
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-        return False
     if attn_mask is not None and (attn_mask.dim() not in (2, 4) or attn_mask.requires_grad):
+        return False
+    return _flash_keeps_query_layout(torch, query, key, value, d == dv)
+
+
+def _flash_keeps_query_layout(torch, query, key, value, same_head_dims: bool) -> bool:
+    """The layout part of :func:`_keeps_query_layout`, for a call torch's flash kernel takes
+    (4-D, consistent non-empty shapes, equal heads or GQA, no mask or a 2-D/4-D one without
+    grad): whether the query is stored (B, L, H, D) and the kernel's output would be too.
+    The fast path has checked the rest already."""
+    if query.stride(1) >= query.stride(2):  # heads outside the sequence: torch's is viewable
+        return False
+    if not same_head_dims:
+        return False
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return False
     return torch.compiler.is_compiling() or torch.backends.cuda.flash_sdp_enabled()
 
@@ -335,7 +345,8 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     ``ops.forward_cpu`` on the tensors as given, and so does this, without building the
     broadcast plan, the call object and the backend choice. That is ~15 us of Python per call,
     which short calls notice (SD-1.5's 8x8 level computes in ~70 us). The output layout rule
-    is the general path's (``_keeps_query_layout``)."""
+    is the general path's (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout``
+    left once the checks here have passed)."""
     tensor = torch.Tensor
     if type(key) is not tensor or type(value) is not tensor or type(query) is not tensor:
         return None
@@ -376,7 +387,7 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     out, lse = ops.forward_cpu(
         query, key, value, None, bool(is_causal), float(scale), bool(enable_gqa), return_lse
     )
-    if not _keeps_query_layout(torch, query, key, value, None, enable_gqa):
+    if not _flash_keeps_query_layout(torch, query, key, value, d == dv):
         out = out.contiguous()
     return (out, lse) if return_lse else out
 
