@@ -137,6 +137,58 @@ def test_first_order_backward_still_uses_the_kernel_and_builds_no_graph(monkeypa
     assert used == [] and not grad_q.requires_grad
 
 
+EAGER_VS_OP_CASES = [
+    # Hq, Hkv, Lq, Lk, mask, causal, lse in the loss, double backward
+    (2, 2, 37, 45, None, False, False, False),
+    (4, 2, 33, 33, "bool", True, True, False),  # GQA, bool mask, causal, grad_lse
+    (2, 2, 20, 30, "float", False, True, False),
+    (2, 2, 20, 30, "float_grad", False, False, False),  # d(mask): the torch-ops backward
+    (2, 1, 17, 21, None, True, True, True),  # create_graph: the torch-ops backward
+]
+
+
+@pytest.mark.parametrize("case", EAGER_VS_OP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_eager_autograd_and_the_registered_op_give_identical_gradients(case):
+    # Eager calls take a plain autograd.Function (the op's dispatch costs more than a small
+    # call); it must run the same kernels and gradient rule as the op torch.compile records.
+    hq, hkv, lq, lk, mask_kind, causal, with_lse, double = case
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, hq, lq, 24, generator=g)
+    k, v = (torch.randn(1, hkv, lk, 24, generator=g) for _ in range(2))
+    mask = None
+    if mask_kind == "bool":
+        mask = (torch.rand(lq, lk, generator=g) > 0.3) | torch.eye(lq, lk, dtype=torch.bool)
+    elif mask_kind is not None:
+        mask = torch.randn(1, 1, lq, lk, generator=g)
+
+    def gradients(attention):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        m = mask
+        if mask_kind == "float_grad":
+            m = mask.clone().requires_grad_(True)
+            leaves.append(m)
+        out, lse = attention(*leaves[:3], m)
+        loss = out.square().sum() + (0.5 * lse.sum() if with_lse else 0)
+        grads = torch.autograd.grad(loss, leaves, create_graph=double)
+        if double:
+            grads = torch.autograd.grad(sum(gr.square().sum() for gr in grads), leaves)
+        return out, grads
+
+    def eager(q, k, v, m):
+        return npu_attn.scaled_dot_product_attention(
+            q, k, v, m, is_causal=causal, enable_gqa=hq != hkv, return_lse=True
+        )
+
+    def registered_op(q, k, v, m):
+        return torch.ops.npu_attn.sdpa_forward(q, k, v, m, causal, None, hq != hkv)
+
+    out, mine = gradients(eager)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    _, theirs = gradients(registered_op)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), mine, theirs):
+        assert torch.equal(a, b), name
+
+
 # --------------------------------------------------------------------------- 2. torch.compile
 class MaskedSelfAttention(torch.nn.Module):
     def __init__(self):

@@ -18,10 +18,16 @@ class TiledBackend(Backend):
     dtypes = FLOATS
 
     def forward_with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        # Outside autograd and compilation the registered op adds only dispatch overhead
-        # (~30 us a call, which matters for small attention calls): call the kernel directly.
-        use_op = torch.compiler.is_compiling() or call.needs_grad
-        run = ops.sdpa_forward if use_op else ops.forward_cpu
+        # Only torch.compile needs the registered op (one opaque node in its graphs); in eager
+        # code its dispatch costs more than a small attention call, so autograd gets the same
+        # kernels and gradient rule through a plain autograd.Function, and calls without
+        # gradients the kernel alone.
+        if torch.compiler.is_compiling():
+            run = ops.sdpa_forward
+        elif call.needs_grad:
+            run = ops.eager_forward_with_grad
+        else:
+            run = ops.forward_cpu
         return run(
             call.query,
             call.key,
