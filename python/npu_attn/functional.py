@@ -340,11 +340,12 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     """The common call in a few attribute reads, or None where it does not apply.
 
     Plain 4-D CPU tensors of one dtype the tiled backend declares, with consistent, non-empty
-    shapes, no mask, outside autograd, autocast, torch.func transforms and compilation, when
-    backend selection picks the tiled backend: then the general path below would run
-    ``ops.forward_cpu`` on the tensors as given, and so does this, without building the
-    broadcast plan, the call object and the backend choice. That is ~15 us of Python per call,
-    which short calls notice (SD-1.5's 8x8 level computes in ~70 us). The output layout rule
+    shapes, no mask, outside autocast, torch.func transforms and compilation, when backend
+    selection picks the tiled backend: then the general path below would run
+    ``ops.forward_cpu`` (under autograd ``ops.eager_forward_with_grad``) on the tensors as
+    given, and so does this, without building the broadcast plan, the call object and the
+    backend choice. That is ~15 us of Python per call, which short calls notice (SD-1.5's
+    8x8 level computes in ~70 us). The output layout rule
     is the general path's (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout``
     left once the checks here have passed)."""
     tensor = torch.Tensor
@@ -364,9 +365,9 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
         return None
     if 0 in (b, hq, lq, d, hk, lk, dv) or not (hq == hk or (enable_gqa and hq % hk == 0)):
         return None
-    grads = query.requires_grad or key.requires_grad or value.requires_grad
-    if grads and torch.is_grad_enabled():
-        return None
+    grads = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
     if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None:
@@ -384,9 +385,11 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    out, lse = ops.forward_cpu(
-        query, key, value, None, bool(is_causal), float(scale), bool(enable_gqa), return_lse
-    )
+    flags = (bool(is_causal), float(scale), bool(enable_gqa))
+    if grads:
+        out, lse = ops.eager_forward_with_grad(query, key, value, None, *flags)
+    else:
+        out, lse = ops.forward_cpu(query, key, value, None, *flags, return_lse)
     if not _flash_keeps_query_layout(torch, query, key, value, d == dv):
         out = out.contiguous()
     return (out, lse) if return_lse else out
