@@ -340,7 +340,7 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     """The common call in a few attribute reads, or None where it does not apply.
 
     Plain 4-D CPU tensors of one dtype the tiled backend declares, with consistent, non-empty
-    shapes, no mask, outside autocast, torch.func transforms and compilation, when backend
+    shapes, no mask, outside autocast, torch.func transforms and tracing, when backend
     selection picks the tiled backend: then the general path below would run
     ``ops.forward_cpu`` (under autograd ``ops.eager_forward_with_grad``) on the tensors as
     given, and so does this, without building the broadcast plan, the call object and the
@@ -348,6 +348,12 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     8x8 level computes in ~70 us). The output layout rule
     is the general path's (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout``
     left once the checks here have passed)."""
+    from . import ops
+
+    # First: tracers must see the registered op (the general path decides), and under
+    # torch.jit.trace even reading a shape records ops.
+    if ops.recorded():
+        return None
     tensor = torch.Tensor
     if type(key) is not tensor or type(value) is not tensor or type(query) is not tensor:
         return None
@@ -368,13 +374,12 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     grads = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
-    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+    if torch.is_autocast_enabled("cpu"):
         return None
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return None
     if torch.autograd.forward_ad._current_level >= 0:
         return None
-    from . import ops
     from ._backends import registry
 
     chosen = registry.chosen_without_checks(backend, _default_backend())

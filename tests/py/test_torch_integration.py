@@ -267,6 +267,47 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.allclose(eager, compiled, atol=1e-6)
 
 
+def _traced(tracer, model, example):
+    if tracer == "make_fx":
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        return make_fx(model)(example)
+    return torch.jit.trace(model, example, check_trace=False)
+
+
+# jit.trace warns wherever Python reads a traced shape (the argument checks): expected there.
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("tracer", ["make_fx", "jit_trace"])
+def test_traced_graphs_record_the_op_and_compute_on_new_inputs(tracer, grad):
+    # A tracer records the torch ops that run. Called directly, the kernel reads memory through
+    # DLPack, which a tracer does not see: make_fx under no_grad used to record the empty
+    # output buffer, so the graph returned garbage for every input. Tracers now get the op.
+    torch.manual_seed(0)
+    model = TinyAttention().eval()
+    example, fresh = torch.randn(2, 50, 32), torch.randn(2, 50, 32)
+    with torch.set_grad_enabled(grad):
+        traced = _traced(tracer, model, example)
+    with torch.no_grad():
+        assert torch.allclose(traced(fresh), model(fresh), atol=1e-6)
+    if tracer == "make_fx":
+        targets = [str(node.target) for node in traced.graph.nodes]
+        assert "npu_attn.sdpa_forward.default" in targets
+
+
+def test_fake_tensors_and_flop_counting_run_through_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.randn(2, 3, 7, 16) for _ in range(3))
+    with FakeTensorMode() as mode:
+        out = npu_attn.scaled_dot_product_attention(*(mode.from_tensor(t) for t in (q, k, v)))
+    assert out.shape == (2, 3, 7, 16)
+    with FlopCounterMode(display=False):
+        counted = npu_attn.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(counted, reference_sdpa(q, k, v).float(), atol=1e-5)
+
+
 @pytest.mark.parametrize("heads_inside_sequence", [False, True], ids=["bhld", "blhd"])
 def test_op_is_registered_with_a_fake_for_tracing(heads_inside_sequence):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -18,11 +18,11 @@ class TiledBackend(Backend):
     dtypes = FLOATS
 
     def forward_with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        # Only torch.compile needs the registered op (one opaque node in its graphs); in eager
-        # code its dispatch costs more than a small attention call, so autograd gets the same
-        # kernels and gradient rule through a plain autograd.Function, and calls without
-        # gradients the kernel alone.
-        if torch.compiler.is_compiling():
+        # Only tracers (torch.compile, make_fx, dispatch modes, jit.trace) need the registered
+        # op, which they record as one node; in eager code its dispatch costs more than a small
+        # attention call, so autograd gets the same kernels and gradient rule through a plain
+        # autograd.Function, and calls without gradients the kernel alone.
+        if ops.recorded():
             run = ops.sdpa_forward
         elif call.needs_grad:
             run = ops.eager_forward_with_grad
