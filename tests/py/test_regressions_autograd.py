@@ -189,6 +189,34 @@ def test_eager_autograd_and_the_registered_op_give_identical_gradients(case):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
+def test_activation_checkpointing_and_saved_tensor_hooks_give_the_same_gradients(how):
+    # Training code recomputes attention in backward (checkpoint) or moves saved tensors
+    # (saved-tensor hooks); the eager autograd.Function must behave like any torch op there.
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 3, 33, 24, generator=g) for _ in range(3))
+
+    def attention(q, k, v):
+        return npu_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def gradients(run):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        run(*leaves).square().sum().backward()
+        return [t.grad for t in leaves]
+
+    plain = gradients(attention)
+    if how == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            other = gradients(attention)
+    else:
+        reentrant = how == "checkpoint_reentrant"
+        other = gradients(lambda *t: checkpoint(attention, *t, use_reentrant=reentrant))
+    for name, a, b in zip(("dq", "dk", "dv"), plain, other):
+        assert torch.equal(a, b), name
+
+
 # --------------------------------------------------------------------------- 2. torch.compile
 class MaskedSelfAttention(torch.nn.Module):
     def __init__(self):
