@@ -73,6 +73,17 @@ def recorded() -> bool:
     )
 
 
+def needs_op(*tensors) -> bool:
+    """True where a call on ``tensors`` must run the kernel as the registered op rather than
+    directly: when :func:`recorded`, under a ``torch.func`` transform (which handles the op,
+    not an ``autograd.Function`` written the classic way), and for inputs of a ``Tensor``
+    subclass (``__torch_dispatch__`` wrappers such as DTensor see the op and unwrap; DLPack
+    would read the wrapper, which holds no data)."""
+    if recorded() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return any(t is not None and type(t) is not torch.Tensor for t in tensors)
+
+
 def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
     """The (B, Hq, Lq, Dv) output, laid out like the query (as torch's CPU flash kernel does):
     (B, L, H, D) storage when the query's heads are inside its sequence (diffusers' projections
@@ -348,10 +359,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, grad_lse, _backward_kernel)
+        # A backward traced or run under a dispatch mode must show the op, as the forward does.
+        kernel = torch.ops.npu_attn.sdpa_backward if recorded() else _backward_kernel
+        return _gradients(ctx, grad_out, grad_lse, kernel)
 
 
 def eager_forward_with_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """(out, lse) of ``sdpa_forward`` with its gradients, for eager autograd (not where
-    :func:`recorded`, which must see the registered op)."""
+    :func:`needs_op`)."""
     return _EagerAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)

@@ -295,17 +295,84 @@ def test_traced_graphs_record_the_op_and_compute_on_new_inputs(tracer, grad):
         assert "npu_attn.sdpa_forward.default" in targets
 
 
-def test_fake_tensors_and_flop_counting_run_through_the_op():
+class _OpLog:
+    """A TorchDispatchMode that records the name of every op that runs under it."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class OpLog(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.names = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.names.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        return OpLog()
+
+
+def test_dispatch_modes_see_the_op_in_forward_and_backward():
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     q, k, v = (torch.randn(2, 3, 7, 16) for _ in range(3))
     with FakeTensorMode() as mode:
         out = npu_attn.scaled_dot_product_attention(*(mode.from_tensor(t) for t in (q, k, v)))
     assert out.shape == (2, 3, 7, 16)
-    with FlopCounterMode(display=False):
-        counted = npu_attn.scaled_dot_product_attention(q, k, v)
-    assert torch.allclose(counted, reference_sdpa(q, k, v).float(), atol=1e-5)
+    with _OpLog() as log:
+        logged = npu_attn.scaled_dot_product_attention(q, k, v)
+    assert "npu_attn.sdpa_forward.default" in log.names
+    assert torch.allclose(logged, reference_sdpa(q, k, v).float(), atol=1e-5)
+    # A forward run eagerly, its backward under a mode: the backward op shows there too.
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = npu_attn.scaled_dot_product_attention(*leaves)
+    with _OpLog() as log:
+        out.sum().backward()
+    assert "npu_attn.sdpa_backward.default" in log.names
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    reference_sdpa(*ref).sum().backward()
+    for a, r in zip(leaves, ref):
+        assert torch.allclose(a.grad.double(), r.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+def test_func_transforms_over_closed_over_inputs_that_require_grad(transform):
+    # The attention inputs come from outside the transform (not wrapped by it) and require
+    # grad: the call still runs under the transform's interpreter, which takes the op.
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    expected = reference_sdpa(q.detach(), k, v).sum()
+
+    def f(x):
+        return (npu_attn.scaled_dot_product_attention(q, k, v) * x).sum()
+
+    x = torch.tensor(2.0)
+    if transform == "grad":
+        got = torch.func.grad(f)(x)
+    else:
+        _, pullback = torch.func.vjp(f, x)
+        (got,) = pullback(torch.tensor(1.0))
+    assert abs(float(got.detach()) - float(expected)) < 1e-4
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_tensor_subclass_inputs_run_through_the_op(grad):
+    # A __torch_dispatch__ wrapper holds no data of its own: DLPack would read the wrapper
+    # (a segfault before), the op is unwrapped by the subclass and runs on the inner tensors.
+    from torch.testing._internal.logging_tensor import LoggingTensor
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    wrapped = [LoggingTensor(t.clone()) for t in (q, k, v)]
+    wrapped[0].requires_grad_(grad)
+    out = npu_attn.scaled_dot_product_attention(*wrapped)
+    assert type(out) is LoggingTensor
+    assert torch.allclose(out.elem, reference_sdpa(q, k, v).float(), atol=1e-5)
+    if grad:
+        out.sum().backward()
+        ref_q = q.double().requires_grad_(True)
+        reference_sdpa(ref_q, k, v).sum().backward()
+        assert torch.allclose(wrapped[0].grad.elem.double(), ref_q.grad, atol=1e-4)
 
 
 @pytest.mark.parametrize("heads_inside_sequence", [False, True], ids=["bhld", "blhd"])

@@ -18,11 +18,12 @@ class TiledBackend(Backend):
     dtypes = FLOATS
 
     def forward_with_lse(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-        # Only tracers (torch.compile, make_fx, dispatch modes, jit.trace) need the registered
-        # op, which they record as one node; in eager code its dispatch costs more than a small
-        # attention call, so autograd gets the same kernels and gradient rule through a plain
-        # autograd.Function, and calls without gradients the kernel alone.
-        if ops.recorded():
+        # Only tracers (torch.compile, make_fx, dispatch modes, jit.trace), torch.func
+        # transforms and tensor subclasses need the registered op (ops.needs_op); in eager code
+        # its dispatch costs more than a small attention call, so autograd gets the same kernels
+        # and gradient rule through a plain autograd.Function, and calls without gradients the
+        # kernel alone.
+        if ops.needs_op(call.query, call.key, call.value, call.attn_mask):
             run = ops.sdpa_forward
         elif call.needs_grad:
             run = ops.eager_forward_with_grad
