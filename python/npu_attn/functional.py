@@ -345,17 +345,15 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     ``ops.forward_cpu`` (under autograd ``ops.eager_forward_with_grad``) on the tensors as
     given, and so does this, without building the broadcast plan, the call object and the
     backend choice. That is ~15 us of Python per call, which short calls notice (SD-1.5's
-    8x8 level computes in ~70 us). The output layout rule
-    is the general path's (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout``
-    left once the checks here have passed)."""
+    8x8 level computes in ~70 us). The output layout rule is the general path's
+    (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout`` left once the checks
+    here have passed)."""
     from . import ops
 
-    # First: tracers must see the registered op (the general path decides), and under
-    # torch.jit.trace even reading a shape records ops.
-    if ops.recorded():
-        return None
-    tensor = torch.Tensor
-    if type(key) is not tensor or type(value) is not tensor or type(query) is not tensor:
+    # First, before reading any shape (under torch.jit.trace that records ops): calls that
+    # must run as the registered op (tracers, torch.func transforms, tensor subclasses, and
+    # anything that is not a plain tensor) are the general path's to decide.
+    if ops.needs_op(query, key, value):
         return None
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
@@ -375,8 +373,6 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
         query.requires_grad or key.requires_grad or value.requires_grad
     )
     if torch.is_autocast_enabled("cpu"):
-        return None
-    if torch._C._functorch.peek_interpreter_stack() is not None:
         return None
     if torch.autograd.forward_ad._current_level >= 0:
         return None

@@ -303,9 +303,10 @@ def _setup_context(ctx, inputs, output):
     ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
 
 
-def _gradients(ctx, grad_out, grad_lse, kernel_backward):
+def _gradients(ctx, grad_out, grad_lse, use_op: bool):
     """The gradients of the 7 forward inputs (query, key, value, attn_mask, then None for the
-    flags), from ``kernel_backward`` (``sdpa_backward``'s arguments) where the kernel can."""
+    flags), from the C++ backward kernel where it can (``use_op``: as the registered op
+    ``sdpa_backward``, for tracers; else called directly)."""
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -318,26 +319,20 @@ def _gradients(ctx, grad_out, grad_lse, kernel_backward):
         t is not None and t.requires_grad for t in (*args, grad_lse)
     )
     if not ctx.mask_grad and not higher_order:
-        grads = kernel_backward(*args, grad_lse, *flags)
+        if use_op:
+            grads = torch.ops.npu_attn.sdpa_backward(*args, grad_lse, *flags)
+        else:
+            grads = backward_cpu(*args, *flags, grad_lse)
         return (*grads, None, None, None, None)
     # The C++ kernel produces no d(mask) and no graph: the torch-ops routine does both.
     return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    return _gradients(ctx, grad_out, grad_lse, torch.ops.npu_attn.sdpa_backward)
+    return _gradients(ctx, grad_out, grad_lse, use_op=True)
 
 
 torch.library.register_autograd("npu_attn::sdpa_forward", _backward, setup_context=_setup_context)
-
-
-def _backward_kernel(
-    grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, enable_gqa
-):
-    """``sdpa_backward`` without the op dispatcher (same arguments, same kernel)."""
-    return backward_cpu(
-        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse
-    )
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -360,8 +355,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         # A backward traced or run under a dispatch mode must show the op, as the forward does.
-        kernel = torch.ops.npu_attn.sdpa_backward if recorded() else _backward_kernel
-        return _gradients(ctx, grad_out, grad_lse, kernel)
+        return _gradients(ctx, grad_out, grad_lse, use_op=recorded())
 
 
 def eager_forward_with_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa):
