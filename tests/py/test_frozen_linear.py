@@ -97,14 +97,44 @@ def test_measurement_rows_keep_one_call_small_but_representative():
     assert rows(8192, 3072, 12288) == _frozen_linear.MIN_MEASURE_ROWS  # never below the floor
 
 
-def test_bfloat16_linears_are_left_to_inductor(recorder, capsys):
-    """Inductor already packs bfloat16 linears for oneDNN; the pass finds nothing to change."""
+def bf16_linears_packed_by_inductor(packs_bf16: bool) -> list[str]:
+    """What the recorder sees for the bfloat16 MLP's two linears: inductor packs them for oneDNN
+    only where oneDNN has bfloat16 hardware (AVX512-BF16, AMX); elsewhere they stay plain
+    matmuls. MKL packs only float32, so it never appears."""
+    return [ONEDNN] if packs_bf16 else []
+
+
+def check_bfloat16_linears_are_left_to_inductor(recorder, capsys, packs_bf16: bool):
+    """Inductor decides bfloat16 linears itself; the pass finds nothing to change."""
     x = torch.randn(2, 50, 64, dtype=torch.bfloat16)
     compiled, eager = frozen_and_eager(mlp(torch.bfloat16), x, float32_linears="onednn")
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=3e-2, atol=3e-2)
     # (the first linear may be fused with the GELU into a lowering of its own)
-    assert ONEDNN in recorder.linears and MKL not in recorder.linears
+    assert sorted(set(recorder.linears)) == bf16_linears_packed_by_inductor(packs_bf16)
     assert "float32 linears" not in capsys.readouterr().err
+
+
+def test_bfloat16_linears_are_left_to_inductor_on_this_cpu(recorder, capsys):
+    packs_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    check_bfloat16_linears_are_left_to_inductor(recorder, capsys, packs_bf16)
+
+
+@pytest.mark.parametrize("packs_bf16", [True, False], ids=["bf16-hardware", "no-bf16-hardware"])
+def test_bfloat16_linears_are_left_to_inductor_on_either_cpu_class(
+    packs_bf16, recorder, capsys, monkeypatch
+):
+    """Each CPU class's branch, chosen by flipping inductor's own capability check (it reads
+    CPUID, so masking npu_attn's detector would not change it). The packed branch cannot be
+    forced on a CPU without bfloat16 units: oneDNN then refuses to pack the weights."""
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    if packs_bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip(
+            "oneDNN packs bfloat16 linear weights only with AVX512-BW/VL/DQ or AVX-NE-CONVERT, "
+            "which this CPU lacks"
+        )
+    monkeypatch.setattr(mkldnn_fusion, "is_mkldnn_bf16_supported", lambda device: packs_bf16)
+    check_bfloat16_linears_are_left_to_inductor(recorder, capsys, packs_bf16)
 
 
 def test_float32_linears_is_validated():
