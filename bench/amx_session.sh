@@ -2,7 +2,7 @@
 # What issue 16 still needs from a CPU with AMX (Sapphire Rapids or later), in one run.
 #
 # Nothing AMX has been measured since the AMX backward and the AMX forward restructure landed:
-# every session since ran on AMD Zen 4 (AVX512-BF16, no AMX), where the AMX kernels are
+# every later run was on AMD CPUs without AMX (Zen 4, Zen 3), where the AMX kernels are
 # tested on an emulated tile unit only. On an AMX machine this runs, in order:
 #   1. every AMX test on the real tile unit, failing if any of them was skipped;
 #   2. the bfloat16 forward and forward + backward over the model shapes (issue 16's targets:

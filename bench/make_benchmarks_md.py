@@ -1,17 +1,86 @@
-"""Assemble BENCHMARKS.md from the outputs of the benchmark commands it lists.
+"""Assemble the benchmark reports: one per machine, and BENCHMARKS.md from all of them.
 
-Usage (after running the commands in BENCHMARKS.md's header, which write bench_out/; the script
-bench/run_all.sh runs all of them and then this):
-    python bench/make_benchmarks_md.py bench_out > BENCHMARKS.md
-The text around the tables (targets, profile notes) lives here so the numbers always come
-straight from the logs.
+Two modes (bench/run_all.sh runs both, after the benchmark commands):
+
+    python bench/make_benchmarks_md.py --machine bench_out/<name> --into bench/results
+        reads the logs and JSON the commands wrote to bench_out/<name>/ and writes that
+        machine's report, bench/results/<name>.md, from bench/machine_template.md. <name> is
+        npu_attn.tools.bench_report.machine_slug(): the CPU, its class, "-emulated" if masked.
+
+    python bench/make_benchmarks_md.py --merge bench/results > BENCHMARKS.md
+        writes BENCHMARKS.md from bench/benchmarks_template.md: every report in bench/results/,
+        one section per CPU class (AVX2, AVX-512 and AVX512-BF16, AMX), then bench/changelog.md.
+
+The numbers come straight from the logs; the text around them lives in the templates.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MACHINE_TEMPLATE = HERE / "machine_template.md"
+MERGE_TEMPLATE = HERE / "benchmarks_template.md"
+CHANGELOG = HERE / "changelog.md"
+
+# The classes machine_slug() ends in, grouped into BENCHMARKS.md's sections, in this order.
+SECTIONS = (
+    ("CPUs without AVX2 (portable kernels)", ("portable",)),
+    ("AVX2 CPUs", ("avx2",)),
+    ("AVX-512 and AVX512-BF16 CPUs", ("avx512", "avx512-bf16")),
+    ("AMX CPUs", ("amx",)),
+)
+CLASS_NAMES = {
+    "portable": "portable kernels",
+    "avx2": "AVX2",
+    "avx512": "AVX-512",
+    "avx512-bf16": "AVX512-BF16",
+    "amx": "AMX",
+}
+# The environment variables that emulate a smaller CPU (bench/run_all.sh records them).
+EMULATION_VARIABLES = (
+    "NPU_ATTN_DISABLE_FEATURES",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
+
+
+def fill(template: str, values: dict[str, str]) -> str:
+    """``template`` with every ``{KEY}`` replaced; a placeholder without a value, or a value
+    without a placeholder, is an error (so a section cannot be dropped silently)."""
+    wanted = set(re.findall(r"\{([A-Z0-9_]+)\}", template))
+    if wanted != set(values):
+        raise KeyError(f"placeholders {sorted(wanted)} != values {sorted(values)}")
+    return re.sub(r"\{([A-Z0-9_]+)\}", lambda m: values[m.group(1)], template)
+
+
+def cpu_class(slug: str) -> tuple[str, bool]:
+    """(class, emulated) from a machine_slug(), e.g. "amd-epyc-avx2-emulated" -> ("avx2", True)."""
+    emulated = slug.endswith("-emulated")
+    base = slug.removesuffix("-emulated")
+    for name in sorted(CLASS_NAMES, key=len, reverse=True):
+        if base == name or base.endswith("-" + name):
+            return name, emulated
+    raise ValueError(f"{slug!r} does not end in a CPU class ({', '.join(CLASS_NAMES)})")
+
+
+# --- --machine: one machine's report from its bench_out directory --------------------------
+
+
+def separated(lines: list[str]) -> list[str]:
+    """``lines`` with a blank line between a table and the text around it (a text line right
+    after a table would be read as one more row)."""
+    out: list[str] = []
+    for line in lines:
+        if out and out[-1] and (line.startswith("|") != out[-1].startswith("|")):
+            out.append("")
+        out.append(line)
+    return out
 
 
 def table_lines(log: Path) -> list[str]:
@@ -20,8 +89,11 @@ def table_lines(log: Path) -> list[str]:
         for line in log.read_text(encoding="utf-8").splitlines()
         if "attention cases" not in line
     ]
-    keep = [line for line in lines if line.startswith(("|", "Machine:", "Geometric"))]
-    return keep
+    return [line for line in lines if line.startswith(("|", "Machine:", "Geometric"))]
+
+
+def rows_and_mean(log: Path) -> list[str]:
+    return separated([line for line in table_lines(log) if line.startswith(("|", "Geometric"))])
 
 
 def demo_table(results: Path) -> list[str]:
@@ -53,7 +125,7 @@ def demo_table(results: Path) -> list[str]:
 
 def e2e_table(report: Path) -> list[str]:
     """The end-to-end table (python -m npu_attn bench --e2e --json ...)."""
-    from npu_attn.bench_e2e import markdown
+    from npu_attn.tools.bench_e2e import markdown
 
     return markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
 
@@ -61,65 +133,157 @@ def e2e_table(report: Path) -> list[str]:
 def images_table(report: Path) -> list[str]:
     """Seconds per image with Token Merging / DeepCache (bench --e2e --images N [--model sdxl]
     --json ...)."""
-    from npu_attn.bench_e2e import images_markdown
+    from npu_attn.tools.bench_e2e import images_markdown
 
     return images_markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
 
 
 def parallel_table(report: Path) -> list[str]:
     """CFG-parallel against one process (python -m npu_attn bench --parallel --json ...)."""
-    from npu_attn.bench_parallel import markdown
+    from npu_attn.tools.bench_parallel import markdown
 
     return markdown(json.loads(report.read_text(encoding="utf-8"))).splitlines()
 
 
+def environment(path: Path) -> dict[str, str]:
+    """The emulation variables bench/run_all.sh recorded (NAME=value lines)."""
+    if not path.is_file():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text(encoding="utf-8").splitlines())
+    return {k: v for k, v in (p for p in pairs if len(p) == 2) if k in EMULATION_VARIABLES and v}
+
+
+def machine_header(slug: str, machine_line: str, env: dict[str, str]) -> tuple[str, str]:
+    """The report's title and first paragraph: CPU, class, date, threads, emulation."""
+    cls, emulated = cpu_class(slug)
+    model = re.match(r"Machine: (.*?), \d+ logical CPUs", machine_line)
+    threads = re.search(r"(\d+) threads for every competitor", machine_line)
+    capability = re.search(r"CPU capability (\w+)", machine_line)
+    date = re.search(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", machine_line)
+    model_text = model.group(1) if model else slug
+    emulation = (
+        "emulated: " + ", ".join(f"`{k}={v}`" for k, v in env.items())
+        if env
+        else "emulated"
+        if emulated
+        else "not emulated"
+    )
+    title = f"{model_text}, {CLASS_NAMES[cls]}" + (" (emulated)" if emulated else "")
+    header = (
+        f"The last `bash bench/run_all.sh` on this machine (`{slug}`): "
+        f"{date.group(0) if date else 'date unknown'}, {model_text}, CPU class `{cls}`, "
+        f"{threads.group(1) if threads else '?'} threads, torch CPU capability "
+        f"{capability.group(1) if capability else '?'}; {emulation}. Each table's Machine line "
+        "gives its own time and versions."
+    )
+    return title, header
+
+
+def machine_report(root: Path) -> str:
+    """The report of the machine whose bench_out directory is ``root``."""
+    full = table_lines(root / "full.log")
+    machine_line = next((line for line in full if line.startswith("Machine:")), "")
+    title, header = machine_header(root.name, machine_line, environment(root / "environment.txt"))
+    full = separated([line for line in full if line != machine_line])
+    target = [line for line in table_lines(root / "target.log") if line.startswith("|")]
+    values = {
+        "TITLE": title,
+        "HEADER": header,
+        "SLUG": root.name,
+        "FULL": "\n".join([machine_line, ""] + full),
+        "TARGET": "\n".join(target),
+        "BF16": "\n".join(rows_and_mean(root / "bf16.log")),
+        "FP16": "\n".join(rows_and_mean(root / "fp16.log")),
+        "BWD": "\n".join(rows_and_mean(root / "bwd.log")),
+        "BWD_BF16": "\n".join(rows_and_mean(root / "bwd_bf16.log")),
+        "DEMO": "\n".join(demo_table(root / "demo_sd15_fp32" / "results.json")),
+        "DEMO_BF16": "\n".join(demo_table(root / "demo_sd15_bf16" / "results.json")),
+        "E2E_BF16": "\n".join(e2e_table(root / "e2e_bf16.json")),
+        "E2E_FP32": "\n".join(e2e_table(root / "e2e_fp32.json")),
+        "IMAGES_BF16": "\n".join(images_table(root / "images_bf16.json")),
+        "IMAGES_FP32": "\n".join(images_table(root / "images_fp32.json")),
+        "IMAGES_SDXL_BF16": "\n".join(images_table(root / "images_sdxl_bf16.json")),
+        "PARALLEL_FP32": "\n".join(parallel_table(root / "parallel_fp32.json")),
+        "PARALLEL_BF16": "\n".join(parallel_table(root / "parallel_bf16.json")),
+    }
+    return fill(MACHINE_TEMPLATE.read_text(encoding="utf-8"), values)
+
+
+# --- --merge: BENCHMARKS.md from every machine's report ------------------------------------
+
+
+def demoted(text: str, levels: int) -> str:
+    """Markdown ``text`` with every heading ``levels`` deeper (outside code blocks)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if not fenced and re.match(r"#{1,6} ", line):
+            line = "#" * levels + line
+        out.append(line)
+    return "\n".join(out)
+
+
 def scaling_rows() -> list[str]:
     """The context-parallel communication model (computed, not measured)."""
-    from npu_attn.bench_parallel import scaling_table
+    from npu_attn.tools.bench_parallel import scaling_table
 
     return scaling_table()
 
 
-def main() -> int:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
-    full = table_lines(root / "full.log")
-    target = [line for line in table_lines(root / "target.log") if line.startswith("|")]
+def machine_files(results: Path) -> list[tuple[str, list[Path]]]:
+    """(section title, reports) for each CPU class present, in SECTIONS order."""
+    files = sorted(results.glob("*.md"))
+    classes = {f: cpu_class(f.stem) for f in files}
+    order = [c for _, group in SECTIONS for c in group]
+    sections = []
+    for title, group in SECTIONS:
+        members = [f for f in files if classes[f][0] in group]
+        members.sort(key=lambda f: (order.index(classes[f][0]), classes[f][1], f.stem))
+        if members:
+            sections.append((title, members))
+    return sections
 
-    def rows_and_mean(name):
-        return [line for line in table_lines(root / name) if line.startswith(("|", "Geometric"))]
 
-    bf16, fp16 = rows_and_mean("bf16.log"), rows_and_mean("fp16.log")
-    bwd, bwd_bf16 = rows_and_mean("bwd.log"), rows_and_mean("bwd_bf16.log")
-    e2e = e2e_table(root / "e2e_bf16.json")
-    e2e_fp32 = e2e_table(root / "e2e_fp32.json")
-    images = images_table(root / "images_bf16.json")
-    images_fp32 = images_table(root / "images_fp32.json")
-    images_sdxl = images_table(root / "images_sdxl_bf16.json")
-    demo = demo_table(root / "demo_sd15_fp32" / "results.json")
-    demo_bf16 = demo_table(root / "demo_sd15_bf16" / "results.json")
-    parallel_fp32 = parallel_table(root / "parallel_fp32.json")
-    parallel_bf16 = parallel_table(root / "parallel_bf16.json")
-    text = Path(__file__).with_name("benchmarks_template.md").read_text(encoding="utf-8")
-    for key, lines in (
-        ("FULL", full),
-        ("TARGET", target),
-        ("BF16", bf16),
-        ("FP16", fp16),
-        ("BWD", bwd),
-        ("BWD_BF16", bwd_bf16),
-        ("DEMO", demo),
-        ("E2E_BF16", e2e),
-        ("E2E_FP32", e2e_fp32),
-        ("IMAGES_BF16", images),
-        ("IMAGES_FP32", images_fp32),
-        ("IMAGES_SDXL_BF16", images_sdxl),
-        ("DEMO_BF16", demo_bf16),
-        ("PARALLEL_FP32", parallel_fp32),
-        ("PARALLEL_BF16", parallel_bf16),
-        ("PARALLEL_SCALING", scaling_rows()),
-    ):
-        text = text.replace(f"{{{key}}}", "\n".join(lines))
-    sys.stdout.write(text)
+def merged_report(results: Path) -> str:
+    """BENCHMARKS.md: the template around every report in ``results`` and the changelog."""
+    parts, index = [], []
+    for title, members in machine_files(results):
+        parts.append(f"## {title}")
+        for path in members:
+            # the reports link from bench/results/; BENCHMARKS.md sits two levels up
+            text = path.read_text(encoding="utf-8").strip().replace("](../../", "](")
+            parts.append(demoted(text, 2))
+            heading = text.splitlines()[0].lstrip("# ")
+            shown = path.resolve()
+            if shown.is_relative_to(HERE.parent):
+                shown = shown.relative_to(HERE.parent)
+            index.append(f"- {title}: {heading} (`{shown}`)")
+    values = {
+        "MACHINE_LIST": "\n".join(index) or "- none yet: run `bash bench/run_all.sh`",
+        "MACHINES": "\n\n".join(parts),
+        "PARALLEL_SCALING": "\n".join(scaling_rows()),
+        "CHANGELOG": demoted(CHANGELOG.read_text(encoding="utf-8").strip(), 1),
+    }
+    return fill(MERGE_TEMPLATE.read_text(encoding="utf-8"), values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--machine", type=Path, help="a bench_out/<name> directory")
+    mode.add_argument("--merge", type=Path, help="the directory of machine reports")
+    parser.add_argument("--into", type=Path, help="with --machine: where <name>.md goes")
+    args = parser.parse_args(argv)
+    if args.machine:
+        if args.into is None:
+            parser.error("--machine needs --into")
+        args.into.mkdir(parents=True, exist_ok=True)
+        path = args.into / f"{args.machine.resolve().name}.md"
+        path.write_text(machine_report(args.machine.resolve()), encoding="utf-8")
+        print(f"wrote {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(merged_report(args.merge))
     return 0
 
 

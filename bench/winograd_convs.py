@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from npu_attn import _C, _frozen_conv
-from npu_attn._frozen_conv import WINOGRAD_MIN_SPEEDUP
+from npu_attn import _C
+from npu_attn.graph import frozen_conv
+from npu_attn.graph.frozen_conv import WINOGRAD_MIN_SPEEDUP
 
 # (input channels, output channels, latent edge, how many in the UNet), batch 2.
 SD15_SHAPES = [
@@ -46,7 +47,7 @@ SD15_SHAPES = [
 
 
 def measure(c: int, k: int, edge: int, repeats: int) -> dict:
-    times = _frozen_conv.time_both(2, c, k, edge, edge, repeats)
+    times = frozen_conv.time_both(2, c, k, edge, edge, repeats)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 

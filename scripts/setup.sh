@@ -37,4 +37,4 @@ echo "==> installing Python dependencies (requirements-dev.txt)"
 echo "==> building and installing npu_attn"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . \
   2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import npu_attn; print('npu_attn', npu_attn.__version__, 'kernel:', npu_attn.active_isa())"
+.venv/bin/python -c "import npu_attn; print('npu_attn', npu_attn.__version__, 'kernel:', npu_attn.runtime.active_isa())"

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import _C, _runtime
+from .runtime import controls as _runtime
+from .runtime.extension import _C
 
 DETECTION_ORDER = ("npu", "cuda", "xpu", "mps", "cpu")
 _DTYPES = {
@@ -282,7 +283,7 @@ class DeviceManager:
             _runtime.release_cpu_memory()
 
     def reuse_cpu_memory(self, enabled: bool = True) -> None:
-        """Keep freed CPU memory for reuse between steps: :func:`npu_attn.reuse_cpu_memory`
+        """Keep freed CPU memory for reuse between steps: :func:`npu_attn.runtime.reuse_cpu_memory`
         (process-wide; CPU tensors on any device type)."""
         _runtime.reuse_cpu_memory(enabled)
 
@@ -314,7 +315,7 @@ class DeviceManager:
 
     def set_memory_efficient_mode(self, pipe: Any) -> list[str]:
         """Turn on what ``pipe`` supports to save memory; returns what was turned on."""
-        from .diffusers_integration import set_attention_strategy
+        from .integration.processors import set_attention_strategy
 
         enabled = []
         strategy = set_attention_strategy(pipe, "auto")
@@ -331,7 +332,7 @@ class DeviceManager:
         return enabled
 
     def info(self) -> dict[str, Any]:
-        from . import strategies
+        from .attention import strategies
 
         return {
             "device": str(self.device),

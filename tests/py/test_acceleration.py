@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import npu_attn
-from npu_attn import strategies
-from npu_attn.acceleration import accelerate_from_environment, environment_options
-from npu_attn.token_merging import ModelFamilyError
+from npu_attn.accel.registry import accelerate_from_environment, environment_options
+from npu_attn.accel.token_merging import ModelFamilyError
+from npu_attn.attention import strategies
 from tiny_accel_models import (
     generate,
     generate_transformer,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import npu_attn
-from npu_attn.block_cache import block_cache_of
-from npu_attn.token_merging import apply_token_merging, remove_token_merging, token_merging_of
+from npu_attn.accel.block_cache import block_cache_of
+from npu_attn.accel.token_merging import apply_token_merging, remove_token_merging, token_merging_of
 from tiny_accel_models import (
     generate,
     generate_transformer,

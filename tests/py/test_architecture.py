@@ -1,9 +1,11 @@
-"""The package's shape: imports point one way, through the layers below, with no cycles, and a
-backend is added with one module and one registration line.
+"""The package's shape: a folder per concern, imports point one way through the layers of
+folders below, with no cycles, and a backend is added with one module and one registration line.
 
-Layers, bottom to top (a module may import only from its own layer or below):
-  kernel runtime -> ops -> backends -> functional -> strategies -> diffusers integration ->
-  device -> command-line tools
+Layers, bottom to top (a module may import only from its own folder, or from a folder of a
+lower layer): the kernel runtime -> the components reader -> attention -> accelerations ->
+diffusers integration (strategy switching applies the accelerations named in the environment)
+-> graph mode and scale-out -> the DeviceManager -> the tools -> the package's front
+(``__init__``, ``__main__``).
 """
 
 from __future__ import annotations
@@ -16,145 +18,155 @@ import torch
 
 import npu_attn
 from conftest import max_err, reference_sdpa
-from npu_attn._backends import registry
-from npu_attn._backends.base import AttentionCall, Backend
+from npu_attn.attention.backends import registry
+from npu_attn.attention.backends.base import AttentionCall, Backend
 
 PACKAGE = Path(npu_attn.__file__).parent
 
+# folder (or top-level module) -> layer
 LAYERS = [
-    {"_config", "_counts", "_memory", "_runtime", "_timing", "_variant_choice", "_version", "_C"},
-    {"ops", "winograd"},
-    {
-        "_backends",
-        "_backends.base",
-        "_backends.torch_sdpa",
-        "_backends.vanilla",
-        "_backends.tiled",
-        "_backends.npu",
-        "_backends.registry",
-    },
-    {"functional"},
-    {"_auto", "strategies"},
-    {
-        "_targets",
-        "_redirect",
-        "diffusers_integration",
-        "diffusers_backend",
-        "graph_mode",
-        "_frozen_linear",
-        "_frozen_conv",
-        "_frozen_graph",
-        "token_merging",
-        "deep_cache",
-        "acceleration",
-        "block_cache",
-        "channels_last",
-        "parallel",
-        "parallel._group",
-        "parallel._inputs",
-        "parallel._layout",
-        "parallel.cfg",
-        "parallel.context",
-        "parallel.ring",
-        "parallel.scaling",
-        "parallel.ulysses",
-    },
+    {"_C", "_version", "_compat", "runtime"},
+    {"components"},
+    {"attention"},
+    {"accel"},
+    {"integration"},
+    {"graph", "parallel"},
     {"device"},
-    {
-        "doctor",
-        "bench",
-        "bench_e2e",
-        "bench_parallel",
-        "bench_report",
-        "demo",
-        "__main__",
-        "__init__",
-    },
+    {"tools"},
+    {"__init__", "__main__"},
 ]
-LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}
+LAYER_OF = {folder: i for i, layer in enumerate(LAYERS) for folder in layer}
 
 
-def _module_name(path: Path) -> str:
+def folder_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    """Dotted name in the package ('__init__' for the package itself), and whether it is a
+    package's ``__init__``."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
-    return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), parts == ("__init__",)
 
 
-def _resolve(importer: str, node: ast.ImportFrom) -> list[str]:
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom, modules: set) -> list[str]:
     """Package-internal modules an ``from ... import ...`` statement names (lazy ones too)."""
     if node.level == 0:
         if not (node.module or "").startswith("npu_attn"):
             return []
         base = node.module.split(".")[1:]
     else:
-        package = importer.split(".")[:-1] if "." in importer else []
-        if importer in ("_backends", "parallel"):  # a package's own __init__
-            package = [importer]
+        package = [] if importer == "__init__" else importer.split(".")
+        if not is_package:
+            package = package[:-1]
         base = package[: len(package) - (node.level - 1)] + (
             node.module.split(".") if node.module else []
         )
     targets = []
     for alias in node.names:
         candidate = ".".join([*base, alias.name])
-        targets.append(candidate if candidate in LAYER_OF else ".".join(base) or "__init__")
+        targets.append(candidate if candidate in modules else ".".join(base) or "__init__")
     return targets
 
 
 def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (``_C``, the compiled extension, included)."""
+    sources = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = {name for name, _ in sources} | {"_C"}
     graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = _module_name(path)
+    for (name, is_package), path in sources.items():
         edges = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
-                edges.update(t for t in _resolve(name, node) if t != name)
+                edges.update(t for t in _resolve(name, is_package, node, modules) if t != name)
         graph[name] = edges
     return graph
 
 
-def test_every_module_has_a_layer():
-    assert set(import_graph()) <= set(LAYER_OF), set(import_graph()) - set(LAYER_OF)
-
-
-def test_imports_point_down_the_layers():
-    upward = [
-        f"{importer} (layer {LAYER_OF[importer]}) imports {target} (layer {LAYER_OF[target]})"
-        for importer, targets in import_graph().items()
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{importer} ({folder_of(importer)}, layer {LAYER_OF[folder_of(importer)]}) imports "
+        f"{target} ({folder_of(target)}, layer {LAYER_OF[folder_of(target)]})"
+        for importer, targets in graph.items()
         for target in targets
-        if target in LAYER_OF and LAYER_OF[target] > LAYER_OF[importer]
+        if LAYER_OF[folder_of(target)] > LAYER_OF[folder_of(importer)]
     ]
-    assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycles():
-    graph = import_graph()
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for importer, targets in graph.items():
+        edges = folders.setdefault(folder_of(importer), set())
+        edges |= {folder_of(t) for t in targets} - {folder_of(importer)}
+    return folders
+
+
+def first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the stack, 2: done
 
     def visit(node, path):
         state[node] = 1
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                cycle = path[path.index(target) :] + [target]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
+                return path[path.index(target) :] + [target]
             if state.get(target) is None:
-                visit(target, [*path, target])
+                found = visit(target, [*path, target])
+                if found:
+                    return found
         state[node] = 2
+        return None
 
-    for module in sorted(graph):
-        if state.get(module) is None:
-            visit(module, [module])
-
-
-def test_the_shared_target_helpers_import_nothing_from_the_package():
-    """_targets serves every module of its layer (the accelerations and parallel/), which
-    may import it only as long as it imports none of them."""
-    assert import_graph()["_targets"] == set()
+    for node in sorted(graph):
+        if state.get(node) is None:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
 
 
-def test_the_cycle_check_can_fail(monkeypatch):
-    graph = {"a": {"b"}, "b": {"a"}}
-    monkeypatch.setattr(__import__(__name__), "import_graph", lambda: graph)
-    with pytest.raises(pytest.fail.Exception, match="import cycle: a -> b -> a"):
-        test_no_import_cycles()
+def test_every_module_is_in_a_layered_folder():
+    unplaced = {m for m in import_graph() if folder_of(m) not in LAYER_OF}
+    assert not unplaced, unplaced
+
+
+def test_imports_point_down_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("level", ["modules", "folders"])
+def test_no_import_cycles(level):
+    graph = import_graph()
+    cycle = first_cycle(graph if level == "modules" else folder_graph(graph))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_layer_check_fails_on_an_upward_import():
+    """An attention module that imported the diffusers integration would be reported."""
+    graph = {**import_graph(), "attention.functional": {"integration.processors"}}
+    assert upward_imports(graph) == [
+        "attention.functional (attention, layer 2) imports integration.processors "
+        "(integration, layer 4)"
+    ]
+
+
+def test_the_cycle_check_fails_on_a_cycle():
+    modules = {"a.x": {"b.y"}, "b.y": {"a.x"}}
+    assert first_cycle(modules) == ["a.x", "b.y", "a.x"]
+    assert first_cycle(folder_graph({"a.x": {"b.y"}, "b.z": {"a.w"}})) == ["a", "b", "a"]
+
+
+def test_only_the_runtime_imports_the_extension():
+    importers = sorted(m for m, targets in import_graph().items() if "_C" in targets)
+    assert importers == ["runtime.extension"]
+
+
+def test_the_components_reader_imports_nothing_from_the_package():
+    """components serves attention switching, the accelerations, graph mode and parallel/,
+    which may import it only as long as it imports none of them."""
+    assert import_graph()["components"] == set()
 
 
 def test_no_module_peeks_at_another_through_sys_modules():

@@ -15,8 +15,7 @@ import types
 import pytest
 import torch
 
-from npu_attn.__main__ import main
-from npu_attn.bench_e2e import (
+from npu_attn.tools.bench_e2e import (
     IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,
@@ -24,7 +23,8 @@ from npu_attn.bench_e2e import (
     images_markdown,
     make_inputs,
 )
-from npu_attn.demo import (
+from npu_attn.tools.cli import main
+from npu_attn.tools.pipelines import (
     MODELS,
     SDXL_MODELS,
     UNET_ARCHITECTURES,
@@ -138,7 +138,7 @@ def test_step_benchmark_inputs_carry_sdxl_added_conditions():
 def test_architecture_tables_do_not_overlap():
     """Each architecture name builds one pipeline class: the tables do not overlap, and the
     step benchmark (UNets alone) offers the UNet architectures only."""
-    from npu_attn.demo import SD3_MODELS
+    from npu_attn.tools.pipelines import SD3_MODELS
 
     assert not set(SDXL_MODELS) & set(MODELS)
     assert not set(SD3_MODELS) & set(UNET_ARCHITECTURES)
@@ -158,15 +158,15 @@ def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():
     first step after switching fills the heap); every other row: reuse off, nothing extra."""
     import npu_attn
     from npu_attn import _C
-    from npu_attn.bench_e2e import FROZEN, REUSE, _set_heap_reuse
+    from npu_attn.tools.bench_e2e import FROZEN, REUSE, _set_heap_reuse
 
     if not _C.heap_reuse_supported():
         pytest.skip("the C heap is not glibc's in this process: no heap reuse row")
     calls = []
     try:
         _set_heap_reuse(f"compiled tiled{FROZEN}{REUSE}", lambda: calls.append("reuse"))
-        assert npu_attn.cpu_memory_reuse_enabled() and calls == ["reuse"]
+        assert npu_attn.runtime.cpu_memory_reuse_enabled() and calls == ["reuse"]
         _set_heap_reuse(f"compiled tiled{FROZEN}", lambda: calls.append("frozen"))
-        assert not npu_attn.cpu_memory_reuse_enabled() and calls == ["reuse"]
+        assert not npu_attn.runtime.cpu_memory_reuse_enabled() and calls == ["reuse"]
     finally:
-        npu_attn.reuse_cpu_memory(False)
+        npu_attn.runtime.reuse_cpu_memory(False)

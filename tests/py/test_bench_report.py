@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from npu_attn import bench_report
+import os
+import re
+
+import pytest
+
+from npu_attn.tools import bench_report
 
 
 def report_without_model_rows() -> dict:
@@ -37,3 +42,50 @@ def test_the_peak_is_the_best_of_several_probes(monkeypatch):
     monkeypatch.setattr(_C, "peak_gflops", probe)
     assert bench_report.measured_peak("avx2", "float32", 2) == 228.0
     assert calls == [("avx2", "float32", 2)] * 3
+
+
+AMX_CPU = ["sse4.2", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+
+
+@pytest.mark.parametrize(
+    "model, features, masked, slug",
+    [
+        ("Intel(R) Xeon(R) Platinum 8480+", AMX_CPU, False, "intel-xeon-platinum-8480-amx"),
+        ("Intel(R) Xeon(R) Processor", AMX_CPU, False, "intel-xeon-amx"),
+        ("AMD EPYC 9R14 96-Core Processor", AMX_CPU[:6], False, "amd-epyc-9r14-avx512-bf16"),
+        ("AMD EPYC", AMX_CPU[:5], False, "amd-epyc-avx512"),
+        # an AVX2 run emulated on a bigger CPU: the features are already masked
+        ("AMD EPYC", AMX_CPU[:4], True, "amd-epyc-avx2-emulated"),
+        ("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", AMX_CPU[:4], False, "intel-core-i7-8700-avx2"),
+        ("aarch64", [], False, "aarch64-portable"),
+        ("", [], False, "cpu-portable"),
+    ],
+)
+def test_the_machine_slug_names_the_cpu_and_its_class(model, features, masked, slug):
+    assert bench_report.machine_slug(model, features, masked) == slug
+
+
+def test_this_machines_slug_is_file_name_safe_and_names_its_class(monkeypatch):
+    from npu_attn.runtime.extension import _C
+
+    features = set(_C.cpu_info()["features"])
+    expected = (
+        "amx"
+        if "amx_bf16" in features
+        else "avx512-bf16"
+        if "avx512_bf16" in features
+        else "avx512"
+        if "avx512f" in features
+        else "avx2"
+        if "avx2" in features
+        else "portable"
+    )
+    masked = bool(os.environ.get("NPU_ATTN_DISABLE_FEATURES", "").strip(" ,"))
+    slug = bench_report.machine_slug()
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", slug), slug
+    assert slug.endswith(f"-{expected}" + ("-emulated" if masked else "")), slug
+    # the emulation flag follows the environment variable the feature detector reads
+    monkeypatch.setenv("NPU_ATTN_DISABLE_FEATURES", "amx_bf16")
+    assert bench_report.machine_slug().endswith("-emulated")
+    monkeypatch.setenv("NPU_ATTN_DISABLE_FEATURES", "")
+    assert not bench_report.machine_slug().endswith("-emulated")

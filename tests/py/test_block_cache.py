@@ -12,14 +12,14 @@ from diffusers.hooks import apply_first_block_cache
 from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.models.attention import JointTransformerBlock
 
-from npu_attn.block_cache import (
+from npu_attn.accel.block_cache import (
     BlockCacheOptions,
     apply_block_cache,
     block_cache_of,
     check_block_cache,
     remove_block_cache,
 )
-from npu_attn.token_merging import ModelFamilyError
+from npu_attn.accel.token_merging import ModelFamilyError
 from tiny_accel_models import (
     generate_transformer,
     hidream_pipeline,

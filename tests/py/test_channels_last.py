@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import npu_attn
-from npu_attn.token_merging import ModelFamilyError
+from npu_attn.accel.token_merging import ModelFamilyError
 from tiny_accel_models import generate, sd3_pipeline, sd15_pipeline, sdxl_pipeline
 from tiny_models import tiny_flux
 

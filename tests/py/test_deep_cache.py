@@ -10,13 +10,13 @@ import pytest
 import torch
 from diffusers import FirstBlockCacheConfig
 
-from npu_attn.deep_cache import (
+from npu_attn.accel.deep_cache import (
     DeepCacheOptions,
     apply_deep_cache,
     deep_cache_of,
     remove_deep_cache,
 )
-from npu_attn.token_merging import ModelFamilyError
+from npu_attn.accel.token_merging import ModelFamilyError
 from tiny_accel_models import generate, sd15_pipeline, sdxl_pipeline, tiny_sd15_unet
 from tiny_models import run_flux, tiny_flux
 

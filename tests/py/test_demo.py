@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from npu_attn.demo import build_pipeline
+from npu_attn.tools.pipelines import build_pipeline
 
 # Lines diffusers and transformers print about configurations, casts and optional packages
 # (each was in the demo's output before it silenced them).
@@ -237,7 +237,7 @@ def test_sd3_is_stable_diffusion_3_medium_architecture():
     import torch
     from diffusers import SD3Transformer2DModel
 
-    from npu_attn.demo import SD3_MODELS, prompt_embeddings
+    from npu_attn.tools.pipelines import SD3_MODELS, prompt_embeddings
 
     overrides, size, joint, vae = SD3_MODELS["sd3"]
     with torch.device("meta"):

@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import save_file
 
 import npu_attn
-from npu_attn import _C, doctor, strategies
+from npu_attn import _C
+from npu_attn.attention import strategies
 from npu_attn.device import DeviceManager, DeviceProbe
+from npu_attn.tools import doctor
 
 
 @dataclass(frozen=True)
@@ -240,9 +242,9 @@ def test_doctor_json_reports_a_healthy_install():
     assert report["ok"] is True
     assert report["versions"]["torch"].startswith("2.13.0")
     assert report["devices"][0]["device"] == "cpu"
-    assert set(report["kernel_variants"]) == set(npu_attn.available_isas())
+    assert set(report["kernel_variants"]) == set(npu_attn.runtime.available_isas())
     assert all(t["ok"] for t in report["kernel_variants"].values())
-    assert set(report["kernel_variants_bf16"]) == set(npu_attn.available_isas())
+    assert set(report["kernel_variants_bf16"]) == set(npu_attn.runtime.available_isas())
     assert all(t["ok"] for t in report["kernel_variants_bf16"].values())
     for name in ("vanilla", "sdpa", "tiled", "auto"):
         assert report["strategies"][name]["self_test"]["ok"], name
@@ -271,9 +273,9 @@ def heap_reuse_off():
     process-wide)."""
     if not _C.heap_reuse_supported():
         pytest.skip("the C heap is not glibc's in this process: its policy cannot be changed")
-    npu_attn.reuse_cpu_memory(False)
+    npu_attn.runtime.reuse_cpu_memory(False)
     yield
-    npu_attn.reuse_cpu_memory(False)
+    npu_attn.runtime.reuse_cpu_memory(False)
 
 
 def test_reuse_cpu_memory_keeps_large_tensors_off_mmap_and_releases_on_request(heap_reuse_off):
@@ -288,7 +290,7 @@ def test_reuse_cpu_memory_keeps_large_tensors_off_mmap_and_releases_on_request(h
     del t
 
     dm.reuse_cpu_memory(True)
-    assert npu_attn.cpu_memory_reuse_enabled() and dm.memory_stats()["heap_reuse"]
+    assert npu_attn.runtime.cpu_memory_reuse_enabled() and dm.memory_stats()["heap_reuse"]
     t = torch.ones(numel)
     assert _C.memory_info()["heap_mmapped_bytes"] == mapped_before
     del t
@@ -296,17 +298,17 @@ def test_reuse_cpu_memory_keeps_large_tensors_off_mmap_and_releases_on_request(h
     rss_kept = dm.memory_stats()["rss_bytes"]
     dm.empty_cache()
     assert dm.memory_stats()["rss_bytes"] <= rss_kept - 2 * numel  # returned to the OS
-    assert npu_attn.cpu_memory_reuse_enabled()  # the setting stays
+    assert npu_attn.runtime.cpu_memory_reuse_enabled()  # the setting stays
 
 
 def test_reuse_cpu_memory_does_not_change_results(heap_reuse_off):
     q = torch.randn(2, 4, 333, 40)
     want = npu_attn.scaled_dot_product_attention(q, q, q)
-    npu_attn.reuse_cpu_memory(True)
+    npu_attn.runtime.reuse_cpu_memory(True)
     for _ in range(2):  # the second call runs in memory the first one freed
         torch.testing.assert_close(npu_attn.scaled_dot_product_attention(q, q, q), want)
 
 
 def test_reuse_cpu_memory_takes_a_bool():
     with pytest.raises(TypeError, match="enabled must be a bool, got str"):
-        npu_attn.reuse_cpu_memory("yes")
+        npu_attn.runtime.reuse_cpu_memory("yes")

@@ -14,7 +14,8 @@ from diffusers.models import attention_dispatch
 from diffusers.models.attention_dispatch import AttentionBackendName, attention_backend
 
 import npu_attn
-from npu_attn import diffusers_backend, strategies
+from npu_attn.attention import strategies
+from npu_attn.integration import dispatcher as diffusers_backend
 from test_graph_mode import attention_nodes, captured_call
 from tiny_models import call_in_dtype, run_flux, tiny_flux
 

@@ -15,8 +15,8 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 import npu_attn
-from npu_attn import strategies
-from npu_attn._auto import AutoSelector
+from npu_attn.attention import strategies
+from npu_attn.attention.auto import AutoSelector
 from tiny_models import FAMILIES, run_unet, tiny_unet, tiny_vae
 
 STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
@@ -220,9 +220,9 @@ def test_default_strategy_from_none_target_and_environment(monkeypatch, caplog):
     assert npu_attn.set_attention_strategy(unet) == "tiled"
     monkeypatch.delenv("NPU_ATTN_STRATEGY")
     monkeypatch.setenv("DIFFUSERS_ATTENTION_TYPE", "sdpa")  # the seeds' variable
-    from npu_attn import _config
+    from npu_attn.attention import config
 
-    monkeypatch.setattr(_config, "_alias_noted", False)
+    monkeypatch.setattr(config, "_alias_noted", False)
     with caplog.at_level(logging.WARNING, logger="npu_attn"):
         assert npu_attn.set_attention_strategy(unet) == "sdpa"
         npu_attn.set_attention_strategy(unet)

@@ -86,11 +86,11 @@ def test_bad_input_raises_clear_error(call):
 
 def test_thread_settings_are_validated():
     with pytest.raises(ValueError, match="threads"):
-        npu_attn.set_num_threads(0)
+        npu_attn.runtime.set_num_threads(0)
     with pytest.raises(TypeError, match="threads"):
-        npu_attn.set_num_threads(1.5)
+        npu_attn.runtime.set_num_threads(1.5)
     with pytest.raises(ValueError, match="isa"):
-        npu_attn.set_isa("sse9")
+        npu_attn.runtime.set_isa("sse9")
 
 
 def _run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
@@ -105,8 +105,10 @@ def _run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
 
 
 def test_isa_environment_override():
-    for isa in npu_attn.available_isas():
-        result = _run_python("import npu_attn; print(npu_attn.active_isa())", {"NPU_ATTN_ISA": isa})
+    for isa in npu_attn.runtime.available_isas():
+        result = _run_python(
+            "import npu_attn; print(npu_attn.runtime.active_isa())", {"NPU_ATTN_ISA": isa}
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == isa
     bad = _run_python("import npu_attn", {"NPU_ATTN_ISA": "avx9000"})
@@ -117,7 +119,7 @@ def test_isa_environment_override():
 def test_isa_unsupported_by_cpu_is_a_clear_error():
     # Emulate a CPU without AVX-512 (NPU_ATTN_DISABLE_FEATURES masks the detector), so the test
     # means the same on every machine.
-    compiled = npu_attn.build_info()["compiled_isas"]
+    compiled = npu_attn.runtime.build_info()["compiled_isas"]
     if "avx512" not in compiled:
         pytest.skip("this build has no avx512 variant (not an x86-64 build)")
     bad = _run_python(
@@ -131,7 +133,7 @@ def test_memory_is_linear_in_sequence_length():
     """B1 H8 L16384 D64: the score matrix alone would be 8.6 GB; we must stay far below."""
     code = """
         import json, torch, npu_attn
-        from npu_attn._memory import measure_peak
+        from npu_attn.runtime.memory import measure_peak
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 8, 16384, 64) for _ in range(3))
         with torch.no_grad():
@@ -140,7 +142,7 @@ def test_memory_is_linear_in_sequence_length():
                 out = npu_attn.scaled_dot_product_attention(q, k, v)
         ok = bool(torch.isfinite(out).all())
         print(json.dumps({"extra": m.extra_bytes, "exact": m.exact,
-                          "ws": npu_attn.workspace_stats(), "ok": ok}))
+                          "ws": npu_attn.runtime.workspace_stats(), "ok": ok}))
     """
     result = _run_python(code, {})
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import npu_attn
 from frozen_helpers import frozen_and_eager, recording
-from npu_attn import _frozen_conv
+from npu_attn.graph import frozen_conv
 
 DIRECT, WINOGRAD = "mkldnn._convolution_pointwise.default", "npu_attn.winograd_conv3x3.default"
 
@@ -98,7 +98,7 @@ def test_auto_takes_winograd_for_the_shapes_measured_faster(recorder, monkeypatc
         seen.append((n, c, k, h, w, threads))
         return 2.0 if c == 8 else 1.05
 
-    monkeypatch.setattr(_frozen_conv, "winograd_speedup", fake_speedup)
+    monkeypatch.setattr(frozen_conv, "winograd_speedup", fake_speedup)
     x = torch.randn(3, 8, 10, 10)
     compiled, eager = frozen_and_eager(conv_net(), x)  # float32_convs="auto" by default
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
@@ -109,16 +109,16 @@ def test_auto_takes_winograd_for_the_shapes_measured_faster(recorder, monkeypatc
 
 
 def test_winograd_speedup_is_measured_once_per_shape():
-    _frozen_conv.winograd_speedup.cache_clear()
-    first = _frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1)
+    frozen_conv.winograd_speedup.cache_clear()
+    first = frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1)
     assert math.isfinite(first) and first > 0
-    assert _frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1) == first
-    info = _frozen_conv.winograd_speedup.cache_info()
+    assert frozen_conv.winograd_speedup(1, 16, 24, 12, 12, 1) == first
+    info = frozen_conv.winograd_speedup.cache_info()
     assert (info.hits, info.misses) == (1, 1)
 
 
 def test_measurement_keeps_one_call_small_but_representative():
-    shape = _frozen_conv.measure_shape
+    shape = frozen_conv.measure_shape
     assert shape(2, 320, 320, 64, 64) == (2, 64, 64)  # a SD-1.5 UNet convolution: as it is
     per_image = 2 * 320 * 320 * 32 * 32 * 9
     assert shape(16, 320, 320, 32, 32) == (int(16e9 // per_image), 32, 32) == (8, 32, 32)
@@ -140,8 +140,8 @@ def test_a_failed_measurement_keeps_the_direct_convolution(recorder, monkeypatch
         calls.append(key)
         raise RuntimeError("not enough memory")
 
-    monkeypatch.setattr(_frozen_conv, "winograd_speedup", out_of_memory)
-    monkeypatch.setattr(_frozen_conv, "_FAILED_MEASUREMENTS", set())
+    monkeypatch.setattr(frozen_conv, "winograd_speedup", out_of_memory)
+    monkeypatch.setattr(frozen_conv, "_FAILED_MEASUREMENTS", set())
     x = torch.randn(1, 8, 8, 8)
     with pytest.warns(UserWarning, match="could not time Winograd .* keeping oneDNN's"):
         compiled, eager = frozen_and_eager(conv_net(), x)

@@ -13,7 +13,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import npu_attn
 from frozen_helpers import frozen_and_eager, recording
-from npu_attn import _frozen_linear
+from npu_attn.graph import frozen_linear
 
 MKL, ONEDNN = "mkl._mkl_linear", "mkldnn._linear_pointwise.default"
 
@@ -71,7 +71,7 @@ def test_auto_moves_the_shapes_measured_faster_on_onednn(recorder, monkeypatch, 
         seen.append((rows, in_features, out_features, threads))
         return 2.0 if in_features == 64 else 1.02
 
-    monkeypatch.setattr(_frozen_linear, "onednn_speedup", fake_speedup)
+    monkeypatch.setattr(frozen_linear, "onednn_speedup", fake_speedup)
     x = torch.randn(3, 100, 64)
     compiled, eager = frozen_and_eager(mlp(), x)  # float32_linears="auto" by default
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
@@ -82,19 +82,19 @@ def test_auto_moves_the_shapes_measured_faster_on_onednn(recorder, monkeypatch, 
 
 
 def test_onednn_speedup_is_measured_once_per_shape():
-    _frozen_linear.onednn_speedup.cache_clear()
-    first = _frozen_linear.onednn_speedup(200, 64, 96, 1)
+    frozen_linear.onednn_speedup.cache_clear()
+    first = frozen_linear.onednn_speedup(200, 64, 96, 1)
     assert math.isfinite(first) and first > 0
-    assert _frozen_linear.onednn_speedup(200, 64, 96, 1) == first
-    info = _frozen_linear.onednn_speedup.cache_info()
+    assert frozen_linear.onednn_speedup(200, 64, 96, 1) == first
+    info = frozen_linear.onednn_speedup.cache_info()
     assert (info.hits, info.misses) == (1, 1)
 
 
 def test_measurement_rows_keep_one_call_small_but_representative():
-    rows = _frozen_linear.measure_rows
+    rows = frozen_linear.measure_rows
     assert rows(100, 320, 320) == 100  # small inputs: the real row count
     assert rows(8192, 320, 2560) == int(2e9 // (2 * 320 * 2560))  # cut to the FLOP budget
-    assert rows(8192, 3072, 12288) == _frozen_linear.MIN_MEASURE_ROWS  # never below the floor
+    assert rows(8192, 3072, 12288) == frozen_linear.MIN_MEASURE_ROWS  # never below the floor
 
 
 def bf16_linears_packed_by_inductor(packs_bf16: bool) -> list[str]:

@@ -13,7 +13,7 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 import npu_attn
-from npu_attn import ops, strategies
+from npu_attn.attention import ops, strategies
 from tiny_models import FAMILIES, call_in_dtype, run_unet, tiny_unet, tiny_vae, unet_inputs
 
 STRATEGIES = ["tiled", "sdpa", "vanilla", "auto"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_attn._backends import npu as npu_backend
+from npu_attn.attention.backends import npu as npu_backend
 
 
 class FakeTorchNpu(types.ModuleType):

@@ -226,7 +226,7 @@ def test_entry_points_explain_how_to_start_torch_distributed(monkeypatch, capsys
         parallel.enable_cfg_parallel(torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="enable_context_parallel needs torch.distributed"):
         parallel.enable_context_parallel(torch.nn.Linear(2, 2))
-    from npu_attn.demo import main as demo_main
+    from npu_attn.tools.demo import main as demo_main
 
     assert demo_main(["--parallel", "cfg", "--model", "tiny"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
@@ -328,8 +328,8 @@ def test_the_scaling_model():
 def test_bench_reports_and_command_line(capsys):
     """The benchmark's tables (the measurement itself is left to `python -m npu_attn bench
     --parallel`, which takes minutes at SD-1.5 size) and its command-line wiring."""
-    from npu_attn import bench_parallel
-    from npu_attn.__main__ import main
+    from npu_attn.tools import bench_parallel
+    from npu_attn.tools.cli import main
 
     single = {"processes": 1, "threads_per_process": 2, "seconds_per_step": 2.0}
     split = {"processes": 2, "threads_per_process": 1, "seconds_per_step": 1.6}

@@ -27,7 +27,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 PRELUDE = textwrap.dedent(
     """
     import torch
-    from npu_attn.demo import build_pipeline
+    from npu_attn.tools.pipelines import build_pipeline
 
     pipe = build_pipeline("tiny")
     pipe.set_progress_bar_config(disable=True)

@@ -26,7 +26,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 
 import npu_attn
 from conftest import reference_sdpa
-from npu_attn import ops, strategies
+from npu_attn.attention import ops, strategies
 from tiny_models import tiny_unet
 
 

@@ -284,12 +284,12 @@ def test_numpy_read_only_and_negative_strides():
 def test_one_and_two_threads_give_identical_results():
     q, k, v = torch.randn(1, 2, 333, 72), torch.randn(1, 2, 257, 72), torch.randn(1, 2, 257, 72)
     try:
-        npu_attn.set_num_threads(1)
+        npu_attn.runtime.set_num_threads(1)
         one = npu_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
-        npu_attn.set_num_threads(2)
+        npu_attn.runtime.set_num_threads(2)
         two = npu_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
-        npu_attn.set_num_threads(None)
+        npu_attn.runtime.set_num_threads(None)
     assert torch.equal(one, two)
 
 
@@ -297,13 +297,13 @@ def test_thread_count_follows_torch_by_default():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert npu_attn.get_num_threads() == 1
-        npu_attn.set_num_threads(2)
-        assert npu_attn.get_num_threads() == 2
+        assert npu_attn.runtime.get_num_threads() == 1
+        npu_attn.runtime.set_num_threads(2)
+        assert npu_attn.runtime.get_num_threads() == 2
     finally:
-        npu_attn.set_num_threads(None)
+        npu_attn.runtime.set_num_threads(None)
         torch.set_num_threads(before)
-    assert npu_attn.get_num_threads() == before
+    assert npu_attn.runtime.get_num_threads() == before
 
 
 def test_concurrent_python_threads_get_correct_results():
@@ -336,17 +336,17 @@ def test_every_available_isa_is_correct():
     mask = torch.rand(2, 1, 150, 77) > 0.2
     ref = reference_sdpa(q, k, v, mask)
     try:
-        for isa in npu_attn.available_isas():
-            npu_attn.set_isa(isa)
-            assert npu_attn.active_isa() == isa
+        for isa in npu_attn.runtime.available_isas():
+            npu_attn.runtime.set_isa(isa)
+            assert npu_attn.runtime.active_isa() == isa
             assert max_err(npu_attn.scaled_dot_product_attention(q, k, v, mask), ref) <= 1e-5
     finally:
-        npu_attn.set_isa(None)
+        npu_attn.runtime.set_isa(None)
 
 
 def test_workspace_is_released():
     q = torch.randn(1, 2, 500, 64)
     npu_attn.scaled_dot_product_attention(q, q, q)
-    stats = npu_attn.workspace_stats()
+    stats = npu_attn.runtime.workspace_stats()
     assert stats["current_bytes"] == 0
     assert stats["peak_bytes"] > 0

@@ -1,4 +1,4 @@
-"""npu_attn._targets: the one place a pipeline's denoiser is found (Token Merging, DeepCache,
+"""npu_attn.components: the one place a pipeline's denoiser is found (Token Merging, DeepCache,
 block caching, CFG-parallel, context parallel) and a feature's state is kept on a model."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from npu_attn._targets import StateAttribute, denoiser_of
+from npu_attn.components import StateAttribute, denoiser_of
 from tiny_accel_models import sd3_pipeline, sd15_pipeline
 
 

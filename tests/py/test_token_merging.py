@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npu_attn.token_merging import (
+from npu_attn.accel.token_merging import (
     TokenMergingOptions,
     apply_token_merging,
     remove_token_merging,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import npu_attn
 from conftest import reference_sdpa
-from npu_attn import ops
+from npu_attn.attention import ops
 
 GRAD_CASES = [
     # B, Hq, Hkv, Lq, Lk, D, Dv, mask, causal
@@ -397,13 +397,13 @@ def test_op_is_registered_with_a_fake_for_tracing(heads_inside_sequence):
     assert out.is_contiguous() != heads_inside_sequence
 
 
-@pytest.fixture(params=npu_attn.available_isas())
+@pytest.fixture(params=npu_attn.runtime.available_isas())
 def each_isa(request):
     """Runs a test once per kernel variant this machine can run (bfloat16 has its own kernels
     on avx512_bf16 and amx_bf16), restoring the active variant afterwards."""
-    npu_attn.set_isa(request.param)
+    npu_attn.runtime.set_isa(request.param)
     yield request.param
-    npu_attn.set_isa(None)  # back to the measured choice
+    npu_attn.runtime.set_isa(None)  # back to the measured choice
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -467,7 +467,7 @@ def test_default_strategy_applies_to_the_function():
     q = torch.randn(1, 2, 8, 16)
     try:
         npu_attn.set_attention_strategy(None, "vanilla")
-        from npu_attn import strategies
+        from npu_attn.attention import strategies
 
         strategies.reset_call_counts()
         npu_attn.scaled_dot_product_attention(q, q, q)

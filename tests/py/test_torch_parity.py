@@ -371,7 +371,7 @@ def test_user_tensors_are_not_modified_by_broadcasting_and_casts():
 @pytest.fixture
 def fast_path_spy(monkeypatch):
     """Counts the calls the fast path served; ``general()`` turns it off."""
-    from npu_attn import functional
+    from npu_attn.attention import functional
 
     real = functional._fast_cpu_call
     served = []

@@ -16,9 +16,10 @@ import torch
 
 import npu_attn
 from conftest import max_err, reference_sdpa
-from npu_attn import _C, _variant_choice
+from npu_attn import _C
+from npu_attn.runtime import variant_choice
 
-COMPILED = npu_attn.build_info()["compiled_isas"]
+COMPILED = npu_attn.runtime.build_info()["compiled_isas"]
 X86 = "avx512" in COMPILED
 # CPUs this project has met, as feature masks over a machine that has at least their features.
 EMULATED_CPUS = {
@@ -45,10 +46,10 @@ def fresh_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("NPU_ATTN_ISA", raising=False)
     monkeypatch.delenv("NPU_ATTN_TUNE", raising=False)
-    _variant_choice.forget()
+    variant_choice.forget()
     yield tmp_path
-    npu_attn.set_isa(None)
-    _variant_choice.forget()
+    npu_attn.runtime.set_isa(None)
+    variant_choice.forget()
 
 
 def test_decide_keeps_the_fastest_and_splits_classes_only_beyond_the_margin():
@@ -57,57 +58,57 @@ def test_decide_keeps_the_fastest_and_splits_classes_only_beyond_the_margin():
         "cross-attention": {"a": 1.0, "b": 0.95},  # within the margin: stays with a
         "large head dim": {"a": 1.5, "b": 1.0},  # clearly faster: b for this class
     }
-    assert _variant_choice.decide(ms) == {
+    assert variant_choice.decide(ms) == {
         "self-attention": "a",
         "cross-attention": "a",
         "large head dim": "b",
     }
-    assert set(_variant_choice.decide({"x": {"a": 2.0, "b": 1.0}}).values()) == {"b"}
+    assert set(variant_choice.decide({"x": {"a": 2.0, "b": 1.0}}).values()) == {"b"}
 
 
 def test_candidates_are_one_per_distinct_kernel_and_runnable():
-    runnable = set(npu_attn.available_isas())
-    for dtype in _variant_choice.DTYPES:
-        names = _variant_choice.candidates(dtype)
+    runnable = set(npu_attn.runtime.available_isas())
+    for dtype in variant_choice.DTYPES:
+        names = variant_choice.candidates(dtype)
         assert names and set(names) <= runnable
         kernels = [
             next(r for r in _C.variants() if r["name"] == n)["forward_kernel"][dtype] for n in names
         ]
         assert len(kernels) == len(set(kernels)), "two candidates run the same code"
     if "amx_bf16" in runnable:
-        assert "amx_bf16" in _variant_choice.candidates("bfloat16")
-        assert "amx_bf16" not in _variant_choice.candidates("float32")  # its fp32 is avx512's
+        assert "amx_bf16" in variant_choice.candidates("bfloat16")
+        assert "amx_bf16" not in variant_choice.candidates("float32")  # its fp32 is avx512's
 
 
 def test_first_use_measures_caches_and_applies_the_fastest(fresh_choice):
-    for dtype in _variant_choice.DTYPES:
-        entry = _variant_choice.tune(dtype)
+    for dtype in variant_choice.DTYPES:
+        entry = variant_choice.tune(dtype)
         assert set(entry["choice"]) == set(_C.shape_classes())
         for shape_class, variant in entry["choice"].items():
             assert _C.active_isa(dtype, shape_class) == variant  # what C++ will run
-        if len(_variant_choice.candidates(dtype)) > 1:
+        if len(variant_choice.candidates(dtype)) > 1:
             assert entry["source"].startswith("measured")
             for shape_class, per in entry["ms"].items():
                 chosen = per[entry["choice"][shape_class]]
                 # kept because it measured fastest (or within the class margin of it)
-                assert chosen * (1 - _variant_choice.CLASS_MARGIN) <= min(per.values())
+                assert chosen * (1 - variant_choice.CLASS_MARGIN) <= min(per.values())
     cache = json.loads((fresh_choice / "kernel_variants.json").read_text())
-    assert set(cache[_variant_choice.fingerprint()]) == set(_variant_choice.DTYPES)
-    _variant_choice.forget()
-    again = _variant_choice.tune("float32")
-    if len(_variant_choice.candidates("float32")) > 1:
+    assert set(cache[variant_choice.fingerprint()]) == set(variant_choice.DTYPES)
+    variant_choice.forget()
+    again = variant_choice.tune("float32")
+    if len(variant_choice.candidates("float32")) > 1:
         assert again["source"].endswith("cached")
 
 
 def test_backward_candidates_are_one_per_distinct_backward_kernel():
-    runnable = set(npu_attn.available_isas())
-    names = _variant_choice.backward_candidates("bfloat16")
+    runnable = set(npu_attn.runtime.available_isas())
+    names = variant_choice.backward_candidates("bfloat16")
     assert names and set(names) <= runnable
     rows = {r["name"]: r for r in _C.variants()}
     kernels = [rows[n]["backward_from"] for n in names]
     assert len(kernels) == len(set(kernels)), "two candidates run the same backward"
     assert set(kernels) == {rows[n]["backward_from"] for n in runnable}, "a backward is missing"
-    assert _variant_choice.backward_candidates("float32") == []  # follows the forward
+    assert variant_choice.backward_candidates("float32") == []  # follows the forward
     if "amx_bf16" in runnable:
         assert rows["amx_bf16"]["backward_from"] == "amx_bf16"  # the AMX backward
 
@@ -115,59 +116,59 @@ def test_backward_candidates_are_one_per_distinct_backward_kernel():
 def test_the_bfloat16_backward_is_measured_on_its_own_at_the_first_backward(fresh_choice):
     q, k, v = (torch.randn(1, 2, 70, 64, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
     out = npu_attn.scaled_dot_product_attention(q, k, v)
-    assert "bfloat16" in _variant_choice._decided
-    assert "bfloat16" not in _variant_choice._decided_backward, "inference measured the backward"
+    assert "bfloat16" in variant_choice._decided
+    assert "bfloat16" not in variant_choice._decided_backward, "inference measured the backward"
     out.float().sum().backward()
-    entry = _variant_choice._decided_backward["bfloat16"]
-    if len(_variant_choice.backward_candidates("bfloat16")) < 2:
+    entry = variant_choice._decided_backward["bfloat16"]
+    if len(variant_choice.backward_candidates("bfloat16")) < 2:
         assert entry["choice"] is None  # the forward's variant
         assert _C.active_backward_isa("bfloat16") == _C.active_isa("bfloat16")
         return
-    assert set(entry["ms"]) == set(_variant_choice.BACKWARD_SHAPES)
-    assert entry["choice"] == _variant_choice.decide_backward(entry["ms"])
+    assert set(entry["ms"]) == set(variant_choice.BACKWARD_SHAPES)
+    assert entry["choice"] == variant_choice.decide_backward(entry["ms"])
     assert _C.active_backward_isa("bfloat16") == entry["choice"]  # what C++ will run
     cache = json.loads((fresh_choice / "kernel_variants.json").read_text())
-    cached = cache[_variant_choice.fingerprint()]["bfloat16 backward"]
+    cached = cache[variant_choice.fingerprint()]["bfloat16 backward"]
     assert cached["choice"] == entry["choice"]
-    _variant_choice.forget()
-    assert _variant_choice.tune_backward("bfloat16")["source"].endswith("cached")
+    variant_choice.forget()
+    assert variant_choice.tune_backward("bfloat16")["source"].endswith("cached")
     # set_isa pins the backward too; None returns to the measured choice.
-    npu_attn.set_isa("scalar")
+    npu_attn.runtime.set_isa("scalar")
     assert _C.active_backward_isa("bfloat16") == "scalar"
-    npu_attn.set_isa(None)
-    _variant_choice.ensure("bfloat16", backward=True)
+    npu_attn.runtime.set_isa(None)
+    variant_choice.ensure("bfloat16", backward=True)
     assert _C.active_backward_isa("bfloat16") == entry["choice"]
 
 
 def test_the_float32_backward_follows_the_forward(fresh_choice):
-    entry = _variant_choice.tune_backward("float32")
+    entry = variant_choice.tune_backward("float32")
     assert entry["choice"] is None and "forward" in entry["source"]
     assert _C.active_backward_isa("float32") == _C.active_isa("float32")
 
 
 def test_decide_backward_takes_the_lowest_geometric_mean():
     ms = {"head dim 64": {"x": 1.0, "y": 4.0}, "head dim 128": {"x": 4.4, "y": 1.0}}
-    assert _variant_choice.decide_backward(ms) == "y"  # geometric means 2.10 and 2.00
+    assert variant_choice.decide_backward(ms) == "y"  # geometric means 2.10 and 2.00
 
 
 def test_the_kernel_call_uses_the_chosen_variant(fresh_choice):
     # The first kernel call of a dtype chooses that dtype's variant before it runs.
     q, k, v = torch.randn(1, 2, 70, 40), torch.randn(1, 2, 90, 40), torch.randn(1, 2, 90, 40)
     out = npu_attn.scaled_dot_product_attention(q, k, v)
-    assert "float32" in _variant_choice._decided, "a kernel call did not choose a variant"
+    assert "float32" in variant_choice._decided, "a kernel call did not choose a variant"
     assert max_err(out, reference_sdpa(q, k, v)) <= 1e-5
 
 
 def test_set_isa_pins_every_dtype_and_none_returns_to_the_measurement(fresh_choice):
-    npu_attn.set_isa("scalar")
-    for dtype in _variant_choice.DTYPES:
-        assert npu_attn.active_isa(dtype) == "scalar"
-        assert npu_attn.kernel_variants()[dtype]["source"] == "set_isa()"
-    npu_attn.set_isa(None)
-    measured = _variant_choice.tune("float32")
-    assert npu_attn.active_isa("float32") == measured["choice"]["self-attention"]
+    npu_attn.runtime.set_isa("scalar")
+    for dtype in variant_choice.DTYPES:
+        assert npu_attn.runtime.active_isa(dtype) == "scalar"
+        assert npu_attn.runtime.kernel_variants()[dtype]["source"] == "set_isa()"
+    npu_attn.runtime.set_isa(None)
+    measured = variant_choice.tune("float32")
+    assert npu_attn.runtime.active_isa("float32") == measured["choice"]["self-attention"]
     with pytest.raises(ValueError, match="isa must be one of"):
-        npu_attn.set_isa("sse9")
+        npu_attn.runtime.set_isa("sse9")
 
 
 def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monkeypatch):
@@ -175,26 +176,26 @@ def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monk
     # must run what the recorded decision says (before the fix the rule overwrote it, and the
     # recorded decision kept ensure() from ever correcting that).
     rule_variant = _C.default_isa("float32")
-    others = [name for name in npu_attn.available_isas() if name != rule_variant]
+    others = [name for name in npu_attn.runtime.available_isas() if name != rule_variant]
     if not others:
         pytest.skip("this CPU runs one variant: a racing choice could not differ from the rule")
     racing = others[0]
     chosen = {"choice": dict.fromkeys(_C.shape_classes(), racing), "source": "test"}
-    monkeypatch.setattr(_variant_choice, "_measure_and_store", lambda dtype: dict(chosen))
-    rule = _variant_choice._rule_choice
+    monkeypatch.setattr(variant_choice, "_measure_and_store", lambda dtype: dict(chosen))
+    rule = variant_choice._rule_choice
     racers: list[threading.Thread] = []
 
     def rule_with_a_racing_tune(dtype: str) -> dict[str, str]:
         if not racers:
-            racers.append(threading.Thread(target=_variant_choice.tune, args=("float32",)))
+            racers.append(threading.Thread(target=variant_choice.tune, args=("float32",)))
             racers[0].start()
             racers[0].join(timeout=0.5)  # time for it to finish, unless set_isa holds the lock
         return rule(dtype)
 
-    monkeypatch.setattr(_variant_choice, "_rule_choice", rule_with_a_racing_tune)
-    npu_attn.set_isa(None)
+    monkeypatch.setattr(variant_choice, "_rule_choice", rule_with_a_racing_tune)
+    npu_attn.runtime.set_isa(None)
     racers[0].join()
-    assert _variant_choice._decided["float32"]["choice"]["self-attention"] == racing
+    assert variant_choice._decided["float32"]["choice"]["self-attention"] == racing
     for shape_class in _C.shape_classes():
         assert _C.active_isa("float32", shape_class) == racing
 
@@ -206,17 +207,17 @@ def test_set_isa_of_a_variant_this_cpu_cannot_run_changes_nothing(tmp_path):
     result = _run(
         """
         import torch, npu_attn
-        from npu_attn import _variant_choice
+        from npu_attn.runtime import variant_choice
         q = torch.randn(1, 2, 33, 40)
         before = npu_attn.scaled_dot_product_attention(q, q, q)
         try:
-            npu_attn.set_isa("avx2")
+            npu_attn.runtime.set_isa("avx2")
         except RuntimeError as e:
             print("raised:", e)
-        assert _variant_choice._pinned is None, _variant_choice._pinned
+        assert variant_choice._pinned is None, variant_choice._pinned
         after = npu_attn.scaled_dot_product_attention(q, q, q)
         assert torch.equal(before, after)
-        print("active", npu_attn.active_isa("float32"))
+        print("active", npu_attn.runtime.active_isa("float32"))
         """,
         NPU_ATTN_DISABLE_FEATURES="avx2",
         NPU_ATTN_CACHE_DIR=str(tmp_path),
@@ -230,7 +231,7 @@ def test_environment_variable_forces_one_variant(tmp_path):
     result = _run(
         """
         import npu_attn
-        v = npu_attn.kernel_variants()
+        v = npu_attn.runtime.kernel_variants()
         print(sorted({n for d in v.values() for n in d["choice"].values()}), v["float32"]["source"])
         """,
         NPU_ATTN_ISA="scalar",
@@ -243,7 +244,7 @@ def test_environment_variable_forces_one_variant(tmp_path):
 
 def test_tuning_can_be_disabled(tmp_path):
     result = _run(
-        "import npu_attn; print(npu_attn.kernel_variants()['bfloat16']['source'])",
+        "import npu_attn; print(npu_attn.runtime.kernel_variants()['bfloat16']['source'])",
         NPU_ATTN_TUNE="0",
         NPU_ATTN_CACHE_DIR=str(tmp_path),
     )
@@ -265,8 +266,8 @@ def test_emulated_cpus_choose_only_what_they_can_run_and_stay_correct(cpu, tmp_p
         for dt in (torch.float32, torch.bfloat16):
             out = npu_attn.scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt))
             errs[str(dt)] = float((out.double() - reference_sdpa(q, k, v)).abs().max())
-        print(json.dumps({"runnable": npu_attn.available_isas(),
-                          "variants": npu_attn.kernel_variants(), "errs": errs}))
+        print(json.dumps({"runnable": npu_attn.runtime.available_isas(),
+                          "variants": npu_attn.runtime.kernel_variants(), "errs": errs}))
         """,
         NPU_ATTN_DISABLE_FEATURES=EMULATED_CPUS[cpu],
         NPU_ATTN_CACHE_DIR=str(tmp_path),
@@ -298,11 +299,11 @@ def test_unknown_feature_mask_is_a_clear_error():
 def test_rejected_thread_count_keeps_the_previous_setting():
     """Regression: set_num_threads(2**31) raised TypeError but stored the value, and every
     later call failed until set_num_threads(None)."""
-    npu_attn.set_num_threads(None)
-    before = npu_attn.get_num_threads()
+    npu_attn.runtime.set_num_threads(None)
+    before = npu_attn.runtime.get_num_threads()
     for bad, error in ((2**31, ValueError), (0, ValueError), (-3, ValueError), (2.0, TypeError)):
         with pytest.raises(error, match="threads"):
-            npu_attn.set_num_threads(bad)
-        assert npu_attn.get_num_threads() == before
+            npu_attn.runtime.set_num_threads(bad)
+        assert npu_attn.runtime.get_num_threads() == before
     q = torch.randn(1, 2, 16, 8)
     assert max_err(npu_attn.scaled_dot_product_attention(q, q, q), reference_sdpa(q, q, q)) < 1e-5

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_attn import winograd
+from npu_attn.graph import winograd
 
 # (N, C, K, H, W): ragged tiles (7x9, 13x17, 5x4), one pixel, one output channel, a tile-exact
 # 16x16 and a SD-1.5-like channel count.

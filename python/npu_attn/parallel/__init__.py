@@ -29,7 +29,9 @@ Example (``torchrun --nproc-per-node 2 script.py``)::
                  generator=torch.Generator().manual_seed(0)).images[0]  # same on every rank
 """
 
-from ._group import (
+from .cfg import cfg_parallel_of, disable_cfg_parallel, enable_cfg_parallel
+from .context import context_parallel_of, disable_context_parallel, enable_context_parallel
+from .group import (
     DEFAULT_TIMEOUT,
     RankDisagreement,
     comm_stats,
@@ -38,8 +40,6 @@ from ._group import (
     reset_comm_stats,
     shutdown_distributed,
 )
-from .cfg import cfg_parallel_of, disable_cfg_parallel, enable_cfg_parallel
-from .context import context_parallel_of, disable_context_parallel, enable_context_parallel
 from .ring import ring_attention
 from .scaling import communication_per_step
 from .ulysses import ulysses_attention

@@ -23,7 +23,7 @@ gathered.
 
 Agreement: ranks must hold the same inputs (same prompt embeddings, same latents), which a
 seeded ``generator`` guarantees. Every call first exchanges a fingerprint of each input tensor
-(norm and two fixed projections, see :func:`~npu_attn.parallel._group.fingerprint`) and the
+(norm and two fixed projections, see :func:`~npu_attn.parallel.group.fingerprint`) and the
 batch size; if the ranks differ (a forgotten seed, different prompts or step counts), every
 rank raises :class:`~npu_attn.parallel.RankDisagreement` at once instead of producing an image
 from mixed inputs or hanging. The check costs one 256-byte ``all_gather`` per step.
@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._targets import StateAttribute, denoiser_of
-from ._group import count_bytes, group_rank, group_size, require_distributed
-from ._inputs import agree_inputs, map_tensors
+from ..components import StateAttribute, denoiser_of
+from .group import count_bytes, group_rank, group_size, require_distributed
+from .inputs import agree_inputs, map_tensors
 
 __all__ = [
     "BATCH_DIM",

@@ -50,11 +50,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _redirect
-from .._targets import StateAttribute, denoiser_of
-from ..diffusers_integration import _RoutesSdpa
-from ._group import group_rank, group_size, require_distributed
-from ._inputs import agree_inputs
+from ..components import StateAttribute, denoiser_of
+from ..integration import redirect as _redirect
+from ..integration.wrapping import (
+    FallThrough,
+    RoutedProcessor,
+    attention_modules,
+    routed_class,
+    unwrapped,
+)
+from .group import group_rank, group_size, require_distributed
+from .inputs import agree_inputs
 from .ring import CPU_ONLY, ring_attention
 from .ulysses import ulysses_attention
 
@@ -142,19 +148,14 @@ def _sequence_parallel_sdpa(state: _State) -> Callable[..., Tensor]:
     return attention
 
 
-class ContextParallelProcessor:
+class ContextParallelProcessor(RoutedProcessor, FallThrough):
     """Runs a model's own attention processor with its SDPA call routed to sequence-parallel
     attention. Attribute access falls through to the wrapped processor; ``__call__`` has the
     wrapped processor's signature (diffusers filters keyword arguments by it)."""
 
     def __init__(self, inner: Any, attention: Callable[..., Tensor]) -> None:
         self.inner = inner
-        self.attention = attention
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+        self.route = attention
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         calls = 0
@@ -162,7 +163,7 @@ class ContextParallelProcessor:
         def routed(*a: Any, **k: Any) -> Tensor:
             nonlocal calls
             calls += 1
-            return self.attention(*a, **k)
+            return self.route(*a, **k)
 
         result = _redirect.call_routed(routed, self.inner, *args, **kwargs)
         if not calls:
@@ -178,37 +179,10 @@ class ContextParallelProcessor:
         return f"ContextParallelProcessor(inner={self.inner!r})"
 
 
-@functools.cache
-def _processor_class(inner_cls: type) -> type:
-    """A ContextParallelProcessor subclass whose ``__call__`` advertises ``inner_cls``'s."""
-
-    def __call__(self, *args, **kwargs):
-        return self._run(*args, **kwargs)
-
-    functools.update_wrapper(__call__, inner_cls.__call__, assigned=("__module__", "__qualname__"))
-    __call__.__wrapped__ = inner_cls.__call__
-    return type(
-        f"ContextParallel{inner_cls.__name__}", (ContextParallelProcessor,), {"__call__": __call__}
-    )
-
-
-def _attention_modules(model: torch.nn.Module):
-    """(name, module) of every attention module (HiDream's have no model-level setter)."""
-    for name, module in model.named_modules():
-        if hasattr(module, "set_processor") and hasattr(module, "processor"):
-            yield name, module
-
-
-def _inner(processor: Any) -> Any:
-    """The diffusers processor itself: one npu_attn wraps for a strategy is unwrapped, since
-    the strategy's route would take the SDPA call before the sequence-parallel one."""
-    return processor.inner if isinstance(processor, _RoutesSdpa) else processor
-
-
 def _check_backends(model: torch.nn.Module) -> None:
     """Processors must reach SDPA: diffusers' dispatcher only does on its native backend."""
-    for name, module in _attention_modules(model):
-        backend = getattr(_inner(module.processor), "_attention_backend", None)
+    for name, module in attention_modules(model):
+        backend = getattr(unwrapped(module.processor), "_attention_backend", None)
         if backend not in (None, "native"):
             raise ValueError(
                 f"context parallel: {name} uses diffusers attention backend {backend!r}; "
@@ -221,10 +195,11 @@ def _wrap_processors(model: torch.nn.Module, state: _State) -> None:
     """Route every attention module's SDPA call to the sequence-parallel function (the exact
     original processor objects are kept for disable)."""
     attention = _sequence_parallel_sdpa(state)
-    for name, module in _attention_modules(model):
+    for name, module in attention_modules(model):
         state.originals[name] = module.processor
-        inner = _inner(module.processor)
-        module.set_processor(_processor_class(type(inner))(inner, attention))
+        inner = unwrapped(module.processor)
+        processor_class = routed_class(ContextParallelProcessor, type(inner), "ContextParallel")
+        module.set_processor(processor_class(inner, attention))
 
 
 # --------------------------------------------------------------------------- model inputs
@@ -492,7 +467,7 @@ def _uninstall(model: torch.nn.Module, state: _State) -> None:
     for handle in state.handles:
         handle.remove()
     remove_context_parallel(model, state.plan)
-    modules = dict(_attention_modules(model))
+    modules = dict(attention_modules(model))
     for name, processor in state.originals.items():
         modules[name].set_processor(processor)
     model.__dict__.pop("patchify", None)

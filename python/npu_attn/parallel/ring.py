@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import ops
-from ._group import count_bytes
-from ._layout import Layout, agree, as_4d_mask, key_columns
+from ..attention import ops
+from .group import count_bytes
+from .layout import Layout, agree, as_4d_mask, key_columns
 
 __all__ = ["ring_attention"]
 

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..functional import scaled_dot_product_attention as _sdpa
-from ._group import count_bytes
-from ._layout import Layout, agree, as_4d_mask
+from ..attention.functional import scaled_dot_product_attention as _sdpa
+from .group import count_bytes
+from .layout import Layout, agree, as_4d_mask
 
 __all__ = ["ulysses_attention"]
 

@@ -1,0 +1,366 @@
+"""npu_attn's kernels as real torch ops: ``torch.ops.npu_attn.sdpa_forward`` and
+``torch.ops.npu_attn.sdpa_backward``.
+
+Both are registered with ``torch.library.custom_op`` + ``register_fake`` so that
+``torch.compile`` (fullgraph, forward and backward) treats each as one opaque node; the forward's
+``register_autograd`` formula calls the backward op, so gradients flow in compiled code. Eager
+autograd takes ``_EagerAttention``, an ``autograd.Function`` with the same kernels and the same
+gradient rule (``_gradients``) but without the op's dispatch, which costs more than a small
+call's kernels.
+
+Backward (FlashAttention-2's algorithm, never materialising Lq x Lk): the forward saves the
+per-row log-sum-exp, and ``backward_cpu`` runs the C++ tiled backward kernel
+(csrc/kernels/attention_backward_impl.h), which recomputes P = exp(S - lse) one
+(query tile x key tile) at a time and accumulates dQ, dK, dV in float32 with the forward's masks,
+causal flag, scale and GQA grouping.
+
+``attention_backward`` is the same algorithm written with torch ops over query blocks. It is used
+where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
+kernel does not produce d(mask)) and higher-order gradients (below). It also computes in
+float64 when given float64, which the tests use for gradcheck; both are checked against torch's
+math backend in float64.
+
+Higher-order gradients (``create_graph=True``, e.g. gradient penalties): the kernel's gradients
+carry no graph, so when grad mode is on during backward and anything there requires grad, the
+backward runs ``attention_backward`` instead. It is written with differentiable torch ops over
+the saved inputs, output and log-sum-exp (whose own gradients lead back into this op), so
+autograd differentiates the backward itself. That path keeps each query block's probabilities
+for the graph: memory is O(Lq x Lk) per call, as with torch's math backend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.dlpack import to_dlpack
+
+from ..runtime import controls as _runtime
+from ..runtime import counts, variant_choice
+from ..runtime.extension import _C
+
+_BLOCK_BYTES = 64 << 20
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _kernel_mask(attn_mask):
+    """The mask as the kernel takes it: bool, or float32 (a float16/bfloat16 mask is widened;
+    masks are usually broadcast (B, 1, 1, Lk) or (Lq, Lk), so this copy is small)."""
+    if attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32):
+        return attn_mask
+    return attn_mask.float()
+
+
+def _choose_variant(dtype: torch.dtype, backward: bool = False) -> None:
+    """The kernel variant for ``dtype`` (with ``backward``, also its backward's) is measured
+    once per machine, before its first call (other dtypes are left to the C++ validation, which
+    names what it expects)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        variant_choice.ensure(name, backward=backward)
+
+
+def recorded() -> bool:
+    """True when something records the torch ops that run: ``torch.compile`` / ``export``,
+    ``make_fx``, any ``TorchDispatchMode`` (``FakeTensorMode``, ``FlopCounterMode``) or
+    ``torch.jit.trace``. The kernel must then run as the registered op, which they see (and
+    which has a fake for tensors without data); called directly it reads memory through DLPack,
+    which they do not see, and a recorded graph would return whatever the trace's output held."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._get_tracing_state() is not None
+    )
+
+
+def needs_op(*tensors) -> bool:
+    """True where a call on ``tensors`` must run the kernel as the registered op rather than
+    directly: when :func:`recorded`, under a ``torch.func`` transform (which handles the op,
+    not an ``autograd.Function`` written the classic way), and for inputs of a ``Tensor``
+    subclass (``__torch_dispatch__`` wrappers such as DTensor see the op and unwrap; DLPack
+    would read the wrapper, which holds no data)."""
+    if recorded() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return any(t is not None and type(t) is not torch.Tensor for t in tensors)
+
+
+def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
+    """The (B, Hq, Lq, Dv) output, laid out like the query (as torch's CPU flash kernel does):
+    (B, L, H, D) storage when the query's heads are inside its sequence (diffusers' projections
+    viewed as heads, so ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is free), else contiguous
+    (what torch returns for such a call, so the caller needs no copy).
+
+    One ``empty_strided`` call: ``new_empty(...).transpose(1, 2)`` costs ~3 us more, which
+    SD-1.5's 64-token level (a ~70 us call) notices."""
+    b, hq, lq, _ = query.shape
+    dv = head_dim_v
+    if query.stride(1) < query.stride(2):
+        strides = (lq * hq * dv, dv, hq * dv, 1)
+    else:
+        strides = (hq * lq * dv, lq * dv, dv, 1)
+    return torch.empty_strided((b, hq, lq, dv), strides, dtype=query.dtype, device=query.device)
+
+
+def _readable(tensor: Tensor):
+    """A DLPack capsule the kernel reads. DLPack refuses tensors that require grad, so those
+    are detached first; the others are exported as they are (a detach costs ~1.5 us a tensor
+    with its release, a third of a short call's Python cost)."""
+    return to_dlpack(tensor.detach() if tensor.requires_grad else tensor)
+
+
+def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa, with_lse=True):
+    """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
+    written in place by the kernel, which computes in float32 (lse is always float32).
+    ``with_lse=False`` (callers that drop it) gives (out, None)."""
+    attn_mask = _kernel_mask(attn_mask)
+    b, hq, lq, _ = query.shape
+    out = _empty_output(query, value.shape[-1])
+    lse = torch.empty((b, hq, lq), dtype=torch.float32) if with_lse else None
+    # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
+    # Python per tensor); the kernel only reads the inputs.
+    _choose_variant(query.dtype)
+    counts.count("tiled")  # here, where the kernel runs: counted in compiled graphs too
+    # Positional: pybind11 matches keywords by name at ~1 us a call. The order is
+    # (query, key, value, out, attn_mask, lse, scale, is_causal, enable_gqa, num_threads).
+    _C.forward(
+        _readable(query),
+        _readable(key),
+        _readable(value),
+        to_dlpack(out),
+        None if attn_mask is None else _readable(attn_mask),
+        None if lse is None else to_dlpack(lse),
+        scale,
+        is_causal,
+        enable_gqa,
+        _runtime.get_num_threads(),
+    )
+    return out, lse
+
+
+@torch.library.custom_op("npu_attn::sdpa_forward", mutates_args=(), device_types="cpu")
+def sdpa_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor]:
+    """Attention output (B, Hq, Lq, Dv) and log-sum-exp (B, Hq, Lq) of 4-D CPU tensors."""
+    return forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+@sdpa_forward.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    b, hq, lq, _ = query.shape
+    return _empty_output(query, value.shape[-1]), query.new_empty((b, hq, lq), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- backward
+def backward_cpu(
+    grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
+):
+    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtype (float32, bfloat16
+    or float16 read and written directly; the kernel accumulates in float32)."""
+    mask = _kernel_mask(attn_mask)
+    grad_q = torch.empty_like(query, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(key, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(value, memory_format=torch.contiguous_format)
+    if grad_out.dtype != query.dtype:
+        grad_out = grad_out.to(query.dtype)
+    _choose_variant(query.dtype, backward=True)
+    _C.backward(
+        _readable(query),
+        _readable(key),
+        _readable(value),
+        _readable(out),
+        _readable(lse),
+        _readable(grad_out),
+        to_dlpack(grad_q),
+        to_dlpack(grad_k),
+        to_dlpack(grad_v),
+        attn_mask=None if mask is None else _readable(mask),
+        grad_lse=None if grad_lse is None else _readable(grad_lse.float()),
+        scale=scale,
+        is_causal=is_causal,
+        enable_gqa=enable_gqa,
+        num_threads=_runtime.get_num_threads(),
+    )
+    return grad_q, grad_k, grad_v
+
+
+@torch.library.custom_op("npu_attn::sdpa_backward", mutates_args=(), device_types="cpu")
+def sdpa_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV (contiguous, in the inputs' dtypes) from the C++ tiled backward kernel."""
+    return backward_cpu(
+        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse
+    )
+
+
+@sdpa_backward.register_fake
+def _(grad_out, query, key, value, attn_mask, out, lse, grad_lse, is_causal, scale, enable_gqa):
+    return tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)
+    )
+
+
+def _mask_rows(attn_mask, i0, i1):
+    """The rows [i0, i1) of a mask broadcastable to (B, H, Lq, Lk)."""
+    if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
+        return attn_mask[..., i0:i1, :]
+    return attn_mask
+
+
+def attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_mask,
+    out,
+    lse,
+    is_causal,
+    scale,
+    enable_gqa,
+    need_mask_grad=False,
+    grad_lse=None,
+):
+    """dQ, dK, dV (and d(mask)) of softmax(Q K^T * scale + mask) V, recomputed per query block
+    from the saved log-sum-exp; ``grad_lse`` is the gradient of the lse output, if used.
+    Computes in float32 (float64 inputs stay float64)."""
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    b, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    q = query.to(compute)
+    k = key.to(compute).repeat_interleave(group, dim=1) if group > 1 else key.to(compute)
+    v = value.to(compute).repeat_interleave(group, dim=1) if group > 1 else value.to(compute)
+    do = grad_out.to(compute)
+    o = out.to(compute)
+    lse = lse.to(compute)
+    delta = (do * o).sum(-1)  # D_i = rowsum(dO * O)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    dmask = torch.zeros((b, hq, lq, lk), dtype=compute) if need_mask_grad else None
+    bytes_per_row = b * hq * max(lk, 1) * torch.finfo(compute).bits // 8 * 3
+    block = max(1, min(lq, _BLOCK_BYTES // max(bytes_per_row, 1)))
+    for i0 in range(0, lq, block):
+        i1 = min(lq, i0 + block)
+        scores = torch.matmul(q[:, :, i0:i1], k.transpose(-1, -2)) * scale
+        if attn_mask is not None:
+            m = _mask_rows(attn_mask, i0, i1)
+            if m.dtype == torch.bool:
+                scores = scores.masked_fill(~m, float("-inf"))
+            else:
+                scores = scores + m.to(compute)
+        if is_causal:
+            rows = torch.arange(i0, i1).view(-1, 1)
+            scores = scores.masked_fill(torch.arange(lk).view(1, -1) > rows, float("-inf"))
+        row_lse = lse[:, :, i0:i1, None]
+        # Fully masked rows (lse = -inf) have P = 0. Subtracting 0 there instead of -inf keeps
+        # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.
+        empty = torch.isneginf(row_lse)
+        probs = torch.exp(scores - row_lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+        dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
+        dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
+        shift = delta[:, :, i0:i1, None]
+        if grad_lse is not None:  # d lse / d S = P
+            shift = shift - grad_lse[:, :, i0:i1, None].to(compute)
+        ds = probs * (dp - shift)
+        dq[:, :, i0:i1] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, i0:i1]) * scale
+        if dmask is not None:
+            dmask[:, :, i0:i1] = ds
+    if group > 1:
+        dk = dk.view(b, hkv, group, lk, d).sum(2)
+        dv = dv.view(b, hkv, group, lk, v.shape[-1]).sum(2)
+    dmask_out = None
+    if dmask is not None:
+        dmask_out = dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dmask_out)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, is_causal, scale, enable_gqa = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
+    ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
+
+
+def _gradients(ctx, grad_out, grad_lse, use_op: bool):
+    """The gradients of the 7 forward inputs (query, key, value, attn_mask, then None for the
+    flags), from the C++ backward kernel where it can (``use_op``: as the registered op
+    ``sdpa_backward``, for tracers; else called directly)."""
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    args = (grad_out, query, key, value, attn_mask, out, lse)
+    flags = (ctx.is_causal, ctx.scale, ctx.enable_gqa)
+    # create_graph=True: the gradient itself must be differentiable, which the kernel's output
+    # is not. attention_backward is made of torch ops, so autograd records it (see the module
+    # docstring); without this, a gradient penalty would be silently dropped.
+    higher_order = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*args, grad_lse)
+    )
+    if not ctx.mask_grad and not higher_order:
+        if use_op:
+            grads = torch.ops.npu_attn.sdpa_backward(*args, grad_lse, *flags)
+        else:
+            grads = backward_cpu(*args, *flags, grad_lse)
+        return (*grads, None, None, None, None)
+    # The C++ kernel produces no d(mask) and no graph: the torch-ops routine does both.
+    return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    return _gradients(ctx, grad_out, grad_lse, use_op=True)
+
+
+torch.library.register_autograd("npu_attn::sdpa_forward", _backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """``sdpa_forward`` and its registered autograd formula, without the op dispatcher.
+
+    The registered op is what ``torch.compile`` needs (one opaque node in forward and
+    backward graphs), but in eager code its dispatch and its Python autograd wrapper cost
+    ~40 us more per forward and ~45 us more per backward than this, which small calls notice
+    (SD-1.5's 8x8 level computes in ~70 us). This runs the same kernels with the same saved
+    tensors and the same gradient rule (``_gradients``), so its gradients are bit-identical
+    to the op's."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa):
+        inputs = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        out, lse = forward_cpu(*inputs)
+        _setup_context(ctx, inputs, (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        # A backward traced or run under a dispatch mode must show the op, as the forward does.
+        return _gradients(ctx, grad_out, grad_lse, use_op=recorded())
+
+
+def eager_forward_with_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """(out, lse) of ``sdpa_forward`` with its gradients, for eager autograd (not where
+    :func:`needs_op`)."""
+    return _EagerAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)

@@ -1,0 +1,137 @@
+"""Attention strategies: the names users pick, mapped onto backends, plus ``auto`` and counting.
+
+A strategy is what ``set_attention_strategy(pipe, name)`` installs; each has a function with
+torch SDPA's positional signature ``(query, key, value, attn_mask, dropout_p, is_causal, scale,
+enable_gqa) -> Tensor`` that the diffusers redirect calls:
+
+- ``vanilla``: the ``vanilla`` backend (matmul -> softmax -> matmul, O(L^2) scores).
+- ``sdpa``: the ``sdpa`` backend (torch's own SDPA).
+- ``tiled``: npu_attn's kernel through :func:`npu_attn.scaled_dot_product_attention`; calls it
+  cannot serve (tensors on another device, dropout) go to ``sdpa`` with a one-time warning.
+- ``npu``: the ``npu`` backend (torch_npu's fused attention).
+- ``auto``: measured per shape on CPU (:mod:`npu_attn.attention.auto`), ``npu`` on an Ascend NPU,
+  ``sdpa`` elsewhere.
+
+What each backend computes and supports lives in :mod:`npu_attn.attention.backends`; this
+module keeps only names, the fallback rule, availability per device and call counts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from ..runtime import counts as _counts
+from .auto import AutoSelector
+from .backends import npu as npu_backend
+from .backends import registry
+from .backends.base import AttentionCall, count_call
+from .functional import scaled_dot_product_attention as tiled_sdpa
+
+STRATEGIES = ("vanilla", "sdpa", "tiled", "npu", "auto")
+StrategyFn = Callable[..., torch.Tensor]
+
+
+# --------------------------------------------------------------------------- call counts
+def call_counts() -> dict[str, int]:
+    """How many attention calls each implementation served in this process (``tiled`` counts
+    only calls npu_attn's kernel computed; ``tiled->sdpa`` counts its fallbacks)."""
+    return _counts.snapshot()
+
+
+def reset_call_counts() -> None:
+    _counts.reset()
+
+
+# --------------------------------------------------------------------------- strategy functions
+def _run_backend(name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    return registry.BY_NAME[name].forward(AttentionCall.of(*args, **kwargs))
+
+
+def vanilla_attention(*args, **kwargs) -> torch.Tensor:
+    """The ``vanilla`` strategy: matmul -> softmax -> matmul (SDPA's signature)."""
+    return _run_backend("vanilla", args, kwargs)
+
+
+def torch_sdpa(*args, **kwargs) -> torch.Tensor:
+    """The ``sdpa`` strategy: torch's own SDPA (SDPA's signature)."""
+    return _run_backend("sdpa", args, kwargs)
+
+
+def npu_attention(*args, **kwargs) -> torch.Tensor:
+    """The ``npu`` strategy: torch_npu's fused attention (SDPA's signature)."""
+    return _run_backend("npu", args, kwargs)
+
+
+_fallback_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _fallback_warned:
+        _fallback_warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def tiled_attention(*args, **kwargs) -> torch.Tensor:
+    """The ``tiled`` strategy: npu_attn's kernel (differentiable; SDPA's signature). Calls it
+    cannot serve (dropout, non-CPU tensors) go to torch's SDPA with a one-time warning instead
+    of failing inside a model."""
+    call = AttentionCall.of(*args, **kwargs)
+    reason = None
+    if call.device_type != "cpu":
+        reason = f"tensors on {call.query.device}"
+    elif call.dropout_p > 0.0:
+        reason = "dropout_p > 0 (training)"
+    if reason is not None:
+        _warn_once(
+            "tiled:" + reason, f"npu_attn 'tiled': {reason}; using torch SDPA for these calls"
+        )
+        count_call("tiled->sdpa")
+        return registry.BY_NAME["sdpa"].forward(call)
+    # Through the public function: autocast, broadcasting and transforms as torch does them
+    # (the kernel counts the call where it runs).
+    return tiled_sdpa(*call.sdpa_args(), backend="tiled")
+
+
+auto_selector = AutoSelector(lambda name: RUNNERS[name])
+
+RUNNERS: dict[str, StrategyFn] = {
+    "vanilla": vanilla_attention,
+    "sdpa": torch_sdpa,
+    "tiled": tiled_attention,
+    "npu": npu_attention,
+    "auto": auto_selector,
+}
+
+
+# --------------------------------------------------------------------------- availability
+def unavailable_reason(strategy: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """Why ``strategy`` cannot run for a model on ``device`` (None: it can)."""
+    device_type = torch.device(device).type if device is not None else "cpu"
+    if strategy in ("vanilla", "sdpa", "auto"):
+        return None
+    if strategy == "tiled":
+        if device_type != "cpu":
+            return f"the tiled kernel runs on CPU tensors; the model is on {device_type}"
+        return None
+    if strategy == "npu":
+        return npu_backend.unavailable_reason(device_type)
+    return f"unknown strategy {strategy!r}"
+
+
+def check_strategy(strategy: str, device: Optional[torch.device] = None) -> str:
+    """Validate a strategy name for a device; ValueError listing valid ones and reasons."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown attention strategy {strategy!r}; valid strategies: {', '.join(STRATEGIES)}"
+        )
+    reason = unavailable_reason(strategy, device)
+    if reason is not None:
+        others = [s for s in STRATEGIES if unavailable_reason(s, device) is None]
+        raise ValueError(
+            f"attention strategy {strategy!r} is unavailable: {reason}. "
+            f"Available here: {', '.join(others)}"
+        )
+    return strategy

@@ -1,0 +1,408 @@
+"""Which kernel variant runs each dtype on this machine: measured, not assumed.
+
+The C++ core compiles several variants of the kernels (see ``npu_attn.runtime.available_isas()``).
+Which one is fastest depends on the CPU, not only on what it supports: on a Sapphire Rapids
+Xeon bfloat16 runs fastest on AMX tiles and ``vdpbf16ps`` loses to widening to float32, while
+on an AMD Zen 4 (no AMX) ``vdpbf16ps`` is about twice as fast as widening. So on first use of a
+dtype on a machine, npu_attn times the variants that run different code for that dtype on a
+few representative shapes (one per shape class: self-attention, cross-attention with few keys,
+a large head dim), keeps the fastest per dtype (and per shape class where another variant is
+clearly faster there), caches the result under the CPU's fingerprint in
+``$NPU_ATTN_CACHE_DIR/kernel_variants.json`` (default ``~/.cache/npu_attn``, next to ``auto``'s
+cache) and logs the choice once.
+
+The bfloat16 backward is measured on its own, on the first backward call (inference never
+pays for it): its kernels (float32 FMA after widening, ``vdpbf16ps`` pairs, AMX tiles) differ
+from the forward's, and on an AMX machine the fastest forward and the fastest backward may come
+from different variants. It is cached next to the forward's choice (key ``"bfloat16
+backward"``). Until then, and for float32 and float16 (whose backward code differs between
+variants only in vector width, as the forward's does), the backward runs on the forward's
+variant.
+
+Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
+``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
+variant). ``python -m npu_attn doctor --tune`` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from .cache import MeasurementCache
+from .extension import _C
+
+logger = logging.getLogger("npu_attn")
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# One representative shape per C++ shape class: (batch, heads, len_q, len_k, head_dim). Small
+# enough that measuring every variant of one dtype takes well under a second.
+REPRESENTATIVE_SHAPES = {
+    "self-attention": (1, 4, 512, 512, 64),
+    "cross-attention": (2, 4, 512, 77, 64),
+    "large head dim": (1, 1, 256, 512, 512),
+}
+# The backward's shapes: the common head dim and Flux's; one overall choice (no shape classes).
+BACKWARD_DTYPES = ("bfloat16",)
+BACKWARD_SHAPES = {
+    "head dim 64": (1, 4, 256, 256, 64),
+    "head dim 128": (1, 2, 256, 256, 128),
+}
+REPEATS = 7
+# A variant is kept for one shape class only when it beats the dtype's overall choice there by
+# more than this: a smaller difference is within the noise of a shared machine.
+CLASS_MARGIN = 0.10
+# A candidate whose first run is this much slower than the fastest first run so far is dropped
+# after that run (e.g. the portable variant next to AVX-512): it cannot win, and timing it more
+# would make first use slow.
+HOPELESS_RATIO = 4.0
+
+_lock = threading.Lock()
+_decided: dict[str, dict] = {}  # dtype -> {"choice": {class: variant}, "reason": str, ...}
+_decided_backward: dict[str, dict] = {}  # dtype -> {"choice": variant or None, "source": ...}
+_pinned: Optional[str] = None  # set_isa(name): every dtype, no measuring
+
+
+# --------------------------------------------------------------------------- cache
+_CACHE = MeasurementCache("kernel_variants.json")
+
+
+def cache_path() -> Path:
+    return _CACHE.path
+
+
+def fingerprint() -> str:
+    """This CPU (model and the features dispatch uses), the variants that run on it and the
+    npu_attn build: a cached choice is reused only where all of them are the same."""
+    cpu = _C.cpu_info()
+    build = _C.build_info()
+    from .._version import __version__
+
+    parts = [
+        cpu["vendor"],
+        cpu["model"],
+        " ".join(cpu["features"]),
+        " ".join(cpu["runnable_isas"]),
+        build["compiler"],
+        __version__,
+    ]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _backward_key(dtype: str) -> str:
+    return f"{dtype} backward"
+
+
+# --------------------------------------------------------------------------- measuring
+def candidates(dtype: str) -> list[str]:
+    """Runnable variants that run different code for ``dtype``: one per distinct forward
+    kernel (the first, least specialised, variant of each), most specialised first."""
+    seen: dict[str, str] = {}
+    for row in _C.variants():
+        if row["runnable"]:
+            seen.setdefault(row["forward_kernel"][dtype], row["name"])
+    return list(reversed(list(seen.values())))
+
+
+def backward_candidates(dtype: str) -> list[str]:
+    """Runnable variants with different backward code for ``dtype``: one per distinct backward
+    kernel (``backward_from`` in the variant table), most specialised first; none for the
+    dtypes whose backward follows the forward's choice."""
+    if dtype not in BACKWARD_DTYPES:
+        return []
+    seen: dict[str, str] = {}
+    for row in _C.variants():
+        if row["runnable"]:
+            seen.setdefault(row["backward_from"], row["name"])
+    return list(reversed(list(seen.values())))
+
+
+def _inputs(dtype: str, shape: tuple, seed: int = 0):
+    """q, k, v and the output for one shape, as NumPy arrays (float32/float16) or torch
+    tensors (bfloat16, which NumPy lacks)."""
+    b, h, lq, lk, d = shape
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal((b, h, n, d), dtype=np.float32) for n in (lq, lk, lk)]
+    if dtype == "bfloat16":
+        import torch
+        from torch.utils.dlpack import to_dlpack
+
+        tensors = [torch.from_numpy(a).to(torch.bfloat16) for a in arrays]
+        out = torch.empty((b, h, lq, d), dtype=torch.bfloat16)
+        return [to_dlpack(t) for t in tensors], to_dlpack(out), (tensors, out)
+    np_dtype = np.float32 if dtype == "float32" else np.float16
+    arrays = [a.astype(np_dtype) for a in arrays]
+    out = np.empty((b, h, lq, d), dtype=np_dtype)
+    return arrays, out, None
+
+
+def measure(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
+    """CPU milliseconds of each candidate variant per shape class: one thread, best of
+    ``repeats``, interleaved so every candidate sees the same machine state.
+
+    Why one thread and CPU time (``time.thread_time``), not wall time on every thread: on a
+    shared 2-core machine one descheduled OpenMP thread stalls a whole parallel call for a
+    scheduler time slice (~10 ms), which swamps millisecond calls and made wall-clock choices
+    random under load. The calling thread's CPU time is immune to that, and the variants split
+    work across threads the same way, so their per-core cost ranks them. Hopeless candidates
+    keep only their first time."""
+    result: dict[str, dict[str, float]] = {}
+    for shape_class, shape in REPRESENTATIVE_SHAPES.items():
+        (q, k, v), out, keep = _inputs(dtype, shape)
+
+        def run(name, q=q, k=k, v=v, out=out):
+            start = time.thread_time()
+            _C.forward(q, k, v, out, num_threads=1, isa=name)
+            return time.thread_time() - start
+
+        result[shape_class] = _interleaved_best(candidates(dtype), run, repeats)
+        del keep
+    return result
+
+
+def _interleaved_best(names: list[str], run, repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` milliseconds of ``run(name)`` per candidate, interleaved; hopeless
+    candidates keep only their first time."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # warm-up, and the cut for hopeless candidates
+        run(name)
+        times[name].append(run(name))
+    best_first = min(t[0] for t in times.values())
+    alive = [n for n in names if times[n][0] <= HOPELESS_RATIO * best_first]
+    for _ in range(repeats - 1):
+        for name in alive:
+            times[name].append(run(name))
+    return {n: min(t) * 1e3 for n, t in times.items()}
+
+
+def measure_backward(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
+    """CPU milliseconds of each backward candidate per shape of BACKWARD_SHAPES, measured like
+    :func:`measure` (one thread, best of ``repeats``, interleaved)."""
+    import torch
+    from torch.utils.dlpack import to_dlpack
+
+    torch_dtype = getattr(torch, dtype)
+    result: dict[str, dict[str, float]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for label, (b, h, lq, lk, d) in BACKWARD_SHAPES.items():
+        q, k, v = (
+            torch.randn(b, h, n, d, generator=generator).to(torch_dtype) for n in (lq, lk, lk)
+        )
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, lq)
+        grad_out = torch.randn(b, h, lq, d, generator=generator).to(torch_dtype)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        _C.forward(*map(to_dlpack, (q, k, v, out)), lse=to_dlpack(lse), num_threads=1)
+        operands = [to_dlpack(t) for t in (q, k, v, out, lse, grad_out, *grads)]
+
+        def run(name, operands=operands):
+            start = time.thread_time()
+            _C.backward(*operands, num_threads=1, isa=name)
+            return time.thread_time() - start
+
+        result[label] = _interleaved_best(backward_candidates(dtype), run, repeats)
+    return result
+
+
+def decide(ms: dict[str, dict[str, float]]) -> dict[str, str]:
+    """The variant per shape class from measured times: the dtype's overall choice is the
+    variant with the lowest geometric-mean time over the classes; a class keeps its own
+    fastest variant only when that beats the overall choice there by more than CLASS_MARGIN."""
+    common = set.intersection(*(set(per.keys()) for per in ms.values()))
+    overall = min(
+        sorted(common),
+        key=lambda n: sum(math.log(per[n]) for per in ms.values()),
+    )
+    choice = {}
+    for shape_class, per in ms.items():
+        fastest = min(per, key=per.get)
+        better = per[fastest] < (1 - CLASS_MARGIN) * per[overall]
+        choice[shape_class] = fastest if better else overall
+    return choice
+
+
+def decide_backward(ms: dict[str, dict[str, float]]) -> str:
+    """The backward variant: the lowest geometric-mean time over the measured shapes."""
+    common = set.intersection(*(set(per.keys()) for per in ms.values()))
+    return min(sorted(common), key=lambda n: sum(math.log(per[n]) for per in ms.values()))
+
+
+def format_timings(per: dict[str, float]) -> str:
+    """``{variant: ms}`` as "fastest 1.00 ms, next 1.50 ms, ..."."""
+    return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(per.items(), key=lambda x: x[1]))
+
+
+def _describe(dtype: str, entry: dict[str, Any]) -> str:
+    parts = [
+        f"{shape_class}: {entry['choice'][shape_class]} ({format_timings(per)})"
+        for shape_class, per in entry.get("ms", {}).items()
+    ]
+    backward = entry.get("backward")
+    if backward and backward.get("ms"):
+        timings = "; ".join(
+            f"{label}: {format_timings(per)}" for label, per in backward["ms"].items()
+        )
+        parts.append(f"backward: {backward['choice']} ({timings})")
+    return f"{dtype}: " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- the choice
+def _apply(dtype: str, entry: dict[str, Any]) -> None:
+    for shape_class, name in entry["choice"].items():
+        _C.set_isa(name, dtype, shape_class)
+
+
+def _environment_pin() -> Optional[str]:
+    return os.environ.get("NPU_ATTN_ISA") or None
+
+
+def _rule_choice(dtype: str) -> dict[str, str]:
+    return {c: _C.default_isa(dtype) for c in _C.shape_classes()}
+
+
+def tune(dtype: str, force: bool = False) -> dict[str, Any]:
+    """Choose the variant for ``dtype`` (measuring unless cached, pinned or disabled), apply it
+    to the C++ dispatcher and return the decision: ``choice`` (shape class -> variant),
+    ``source`` and, when measured, ``ms`` (CPU milliseconds per shape class and candidate).
+    ``force`` measures even if a cached choice exists."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with _lock:
+        if not force and dtype in _decided:
+            return _decided[dtype]
+        pin = _pinned or _environment_pin()
+        if pin is not None:
+            source = "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"
+            entry = {"choice": dict.fromkeys(_C.shape_classes(), pin), "source": source}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"choice": _rule_choice(dtype), "source": "rule (NPU_ATTN_TUNE=0)"}
+        else:
+            entry = None if force else _CACHE.get(fingerprint(), dtype)
+            if entry is not None and _usable(dtype, entry):
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                entry = _measure_and_store(dtype)
+        _apply(dtype, entry)
+        _decided[dtype] = entry
+        return entry
+
+
+def _usable(dtype: str, entry: dict[str, Any]) -> bool:
+    """A cached entry names only variants this CPU runs."""
+    names = set(entry.get("choice", {}).values())
+    return bool(names) and names <= set(_C.runnable_isas())
+
+
+def _measure_and_store(dtype: str) -> dict[str, Any]:
+    if len(candidates(dtype)) == 1:
+        only = candidates(dtype)[0]
+        return {"choice": dict.fromkeys(_C.shape_classes(), only), "source": "only variant"}
+    ms = measure(dtype)
+    stamp = time.strftime("%Y-%m-%d")
+    entry = {"choice": decide(ms), "ms": ms, "measured": stamp}
+    _CACHE.store(fingerprint(), dtype, entry)
+    logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, entry))
+    return dict(entry, source=f"measured {stamp}")
+
+
+def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
+    """Choose the backward's variant for ``dtype`` like :func:`tune` (measured where its
+    backward kernels differ, i.e. bfloat16 with more than one candidate; pinned, disabled or
+    otherwise the forward's variant: ``choice`` None), apply it and return the decision."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    tune(dtype)  # the forward's choice first: the backward follows it unless measured
+    with _lock:
+        if not force and dtype in _decided_backward:
+            return _decided_backward[dtype]
+        pin = _pinned or _environment_pin()
+        if pin is not None:
+            entry = {"choice": None, "source": "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"}
+        elif len(backward_candidates(dtype)) < 2:
+            entry = {"choice": None, "source": "the forward's variant"}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"choice": None, "source": "the forward's variant (NPU_ATTN_TUNE=0)"}
+        else:
+            key = _backward_key(dtype)
+            entry = None if force else _CACHE.get(fingerprint(), key)
+            if entry is not None and entry.get("choice") in _C.runnable_isas():
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                ms = measure_backward(dtype)
+                stamp = time.strftime("%Y-%m-%d")
+                entry = {"choice": decide_backward(ms), "ms": ms, "measured": stamp}
+                _CACHE.store(fingerprint(), key, entry)
+                logger.info(
+                    "npu_attn: kernel variants measured on this CPU, %s",
+                    _describe(dtype, {"choice": {}, "backward": entry}),
+                )
+                entry = dict(entry, source=f"measured {stamp}")
+        _C.set_backward_isa(entry["choice"], dtype)
+        _decided_backward[dtype] = entry
+        return entry
+
+
+def ensure(dtype: str, backward: bool = False) -> None:
+    """Make sure ``dtype``'s variant (with ``backward``, also its backward's) is chosen before
+    a kernel call (cheap after the first)."""
+    if dtype not in _decided:
+        tune(dtype)
+    if backward and dtype not in _decided_backward:
+        tune_backward(dtype)
+
+
+def pin(name: Optional[str]) -> None:
+    """``set_isa``: force one variant for every dtype (``None``: back to the measured choice)."""
+    global _pinned
+    # All under the lock: a tune() in another thread then either finishes first (and the rule
+    # below replaces its choice, which is forgotten too) or starts after (and what it applies
+    # is what _decided records); never the rule in C++ behind a decision that says otherwise.
+    with _lock:
+        if name is not None:
+            # First, so a variant this CPU cannot run raises before anything is recorded: a
+            # recorded pin would make every later kernel call raise too.
+            _C.set_isa(name)  # the backward's too
+        _pinned = name
+        _decided.clear()
+        _decided_backward.clear()
+        if name is None:
+            for dtype in DTYPES:  # the rule until the next use measures or loads the choice
+                _apply(dtype, {"choice": _rule_choice(dtype)})
+                _C.set_backward_isa(None, dtype)
+
+
+def forget() -> None:
+    """Drop the in-process decisions (tests; the disk cache stays)."""
+    with _lock:
+        _decided.clear()
+        _decided_backward.clear()
+
+
+def report() -> dict[str, dict[str, Any]]:
+    """Per dtype: the variant per shape class, where the choice came from and the timings,
+    and ``backward``: the backward's decision (:func:`tune_backward`; measured now if not yet)."""
+    return {
+        dtype: dict(tune(dtype), backward=tune_backward(dtype))
+        for dtype in DTYPES
+        if _dtype_usable(dtype)
+    }
+
+
+def _dtype_usable(dtype: str) -> bool:
+    return dtype != "bfloat16" or "torch" in sys.modules or _torch_importable()
+
+
+def _torch_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None

@@ -1,0 +1,517 @@
+"""``python -m npu_attn bench --e2e``: seconds per denoising step of a full-size UNet.
+
+Attention is only part of a CPU denoising step, so this section measures what users feel: one
+UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing downloaded) at
+512x512 with classifier-free guidance (batch 2), for
+
+- ``eager sdpa``: the diffusers default (torch's SDPA, original processors), the baseline;
+- ``eager tiled``: npu_attn's kernel, eager;
+- ``compiled sdpa`` / ``compiled tiled``: ``torch.compile`` (inductor) of the same UNet with
+  that strategy compiled in;
+- ``compiled sdpa (frozen)`` / ``compiled tiled (frozen)``: ``npu_attn.compile(unet,
+  freeze=True)``, inductor's freezing for inference (weights as constants, prepacked for
+  oneDNN), on a module copy sharing the same weight tensors;
+- ``eager tiled + channels-last``: a copy of the UNet with ``accelerate(unet,
+  channels_last=True)`` (exact; no layout reorders around the convolutions);
+- ``openvino``: the same UNet converted with ``openvino.convert_model`` and compiled for the
+  CPU with the run's precision as its inference-precision hint (when ``openvino`` is installed:
+  ``pip install "npu_attn[bench]"`` or ``pip install openvino==2026.4.1``), the runtime CPU
+  users of diffusion often pick instead.
+
+Every competitor runs in this process on the same inputs with the same thread count,
+interleaved (round-robin) after a warm-up; compile and conversion times are reported
+separately; the table gives medians and ratios to the baseline and names the machine.
+
+``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
+pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
+their combinations (IMAGE_CONFIGS), with each image's PSNR against the default's. ``--model sdxl``
+is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random weights, prompts
+as random embeddings with SDXL's pooled ones) at 1024x1024 by default; ``--size`` picks
+another size. ``--plot`` writes either report as a bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+BASELINE = "eager sdpa"
+CL = " + channels-last"
+FROZEN = " (frozen)"
+REUSE = " + heap reuse"
+
+
+class ConfigurationError(ValueError):
+    """An ``--images`` configuration that cannot run on the chosen model."""
+
+
+def build_unet(model: str = "sd15"):
+    """The full-size UNet of ``model`` (demo.UNET_ARCHITECTURES) with random weights, in float32."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from .pipelines import UNET_ARCHITECTURES
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(**UNET_ARCHITECTURES[model][0]).eval()
+
+
+def make_inputs(unet, size: int, dtype, vae_scale: int = 8) -> dict:
+    """One CFG (batch 2) UNet call's inputs at ``size`` pixels; SDXL-style UNets also get their
+    added conditions (pooled text embeddings, and time ids for an uncropped ``size`` image)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    latent = size // vae_scale
+    inputs = {
+        "sample": torch.randn(2, unet.config.in_channels, latent, latent, generator=g).to(dtype),
+        "timestep": torch.tensor(500),
+        "encoder_hidden_states": torch.randn(
+            2, 77, unet.config.cross_attention_dim, generator=g
+        ).to(dtype),
+    }
+    if unet.config.addition_embed_type == "text_time":
+        pooled = (
+            unet.config.projection_class_embeddings_input_dim
+            - 6 * unet.config.addition_time_embed_dim
+        )
+        inputs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(2, pooled, generator=g).to(dtype),
+            "time_ids": torch.tensor([[size, size, 0, 0, size, size]] * 2).to(dtype),
+        }
+    return inputs
+
+
+def openvino_runner(unet, inputs: dict, dtype, threads: int) -> tuple[Callable, float]:
+    """(one inference, seconds to convert and compile) of ``unet`` (float32, original
+    processors) in OpenVINO with ``dtype`` as its inference precision."""
+    import openvino as ov
+    import torch
+
+    added = sorted(inputs.get("added_cond_kwargs", {}))  # SDXL's text_embeds, time_ids
+
+    class Positional(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, sample, timestep, encoder_hidden_states, *conditions):
+            kwargs = {"added_cond_kwargs": dict(zip(added, conditions))} if added else {}
+            out = self.inner(sample, timestep, encoder_hidden_states, return_dict=False, **kwargs)
+            return out[0]
+
+    start = time.perf_counter()
+    tensors = [inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"]]
+    tensors += [inputs["added_cond_kwargs"][name] for name in added]
+    example = tuple(v.float() if torch.is_floating_point(v) else v for v in tensors)
+    with torch.no_grad():
+        model = ov.convert_model(Positional(unet), example_input=example)
+    hint = "bf16" if dtype == torch.bfloat16 else "f32"
+    compiled = ov.Core().compile_model(
+        model,
+        "CPU",
+        {"INFERENCE_PRECISION_HINT": hint, "INFERENCE_NUM_THREADS": str(threads)},
+    )
+    request = compiled.create_infer_request()
+    arrays = [t.numpy() for t in example]
+    seconds = time.perf_counter() - start
+    return (lambda: request.infer(arrays)), seconds
+
+
+def shared_tensors(module) -> list:
+    """The module's parameters and buffers (for a deepcopy memo that shares them)."""
+    return list(module.parameters()) + list(module.buffers())
+
+
+def _set_heap_reuse(name: str, runner: Optional[Callable]) -> None:
+    """Heap reuse (npu_attn.runtime.reuse_cpu_memory) on for the `+ heap reuse` row only. That row
+    is timed in its steady state, as in a denoising loop after the first step: the untimed
+    call after switching it on fills the heap that the timed call then reuses (switching it
+    off for the other rows returns the memory to the OS)."""
+    import npu_attn
+
+    from ..runtime.extension import _C
+
+    if not _C.heap_reuse_supported():
+        return
+    reuse = name.endswith(REUSE)
+    npu_attn.runtime.reuse_cpu_memory(reuse)
+    if reuse and runner is not None:
+        runner()
+
+
+def torch_runner(unet, inputs: dict, strategy: str, compiled: bool, compiled_unet):
+    """One UNet call with ``strategy`` (``sdpa`` = diffusers' own processors)."""
+    import torch
+
+    import npu_attn
+
+    def run():
+        if strategy == "sdpa":
+            npu_attn.reset_attention_strategy(unet)
+        else:
+            npu_attn.set_attention_strategy(unet, strategy)
+        with torch.no_grad():
+            (compiled_unet if compiled else unet)(**inputs)
+
+    return run
+
+
+def run(args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from ..accel.registry import accelerate
+    from ..graph.mode import compile as compile_components
+    from ..runtime import controls as _runtime
+    from ..runtime.extension import _C
+    from .bench_report import machine_info
+    from .pipelines import vae_scale_factor
+
+    dtype = getattr(torch, args.dtype)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    _runtime.set_num_threads(threads)
+    unet = build_unet(args.model)
+    inputs = make_inputs(unet, args.size, dtype, vae_scale_factor(args.model))
+    runners: dict[str, Callable] = {}
+    setup_seconds: dict[str, float] = {}
+    if not args.no_openvino:
+        try:
+            runners["openvino"], setup_seconds["openvino"] = openvino_runner(
+                unet, inputs, dtype, threads
+            )
+        except ImportError:
+            print(
+                'openvino is not installed (pip install "openvino==2026.4.1"): skipped',
+                file=sys.stderr,
+            )
+    unet = unet.to(dtype)
+    compiled_unet = torch.compile(unet, mode=args.mode)
+    for strategy in ("sdpa", "tiled"):
+        runners[f"eager {strategy}"] = torch_runner(unet, inputs, strategy, False, None)
+        runners[f"compiled {strategy}"] = torch_runner(unet, inputs, strategy, True, compiled_unet)
+    # Frozen graphs on a copy of the module tree that shares the weight tensors (so no second
+    # copy of the weights; only the frozen graphs' prepacked ones), compiled in place by
+    # npu_attn.compile so the unfrozen rows' module is left alone.
+    unet_frozen = copy.deepcopy(unet, memo={id(t): t for t in shared_tensors(unet)})
+    compile_components(unet_frozen, None, mode=args.mode, freeze=True, show_progress=False)
+    for strategy in ("sdpa", "tiled"):
+        runners[f"compiled {strategy}{FROZEN}"] = torch_runner(
+            unet_frozen, inputs, strategy, False, None
+        )
+    if _C.heap_reuse_supported():  # the same frozen graphs, freed memory kept between steps
+        runners[f"compiled tiled{FROZEN}{REUSE}"] = runners[f"compiled tiled{FROZEN}"]
+    # The same weights in channels-last (a copy: the layout is the weights' own).
+    unet_cl = copy.deepcopy(unet)
+    accelerate(unet_cl, channels_last=True)
+    runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
+    order = [BASELINE, "eager tiled", f"eager tiled{CL}", "compiled sdpa", "compiled tiled"]
+    order += [f"compiled sdpa{FROZEN}", f"compiled tiled{FROZEN}"]
+    order += [f"compiled tiled{FROZEN}{REUSE}", "openvino"]
+    names = [n for n in order if n in runners]
+    for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
+        _set_heap_reuse(name, runners[name])
+        start = time.perf_counter()
+        runners[name]()
+        if name.startswith("compiled") and not name.endswith(REUSE):  # the first call compiles
+            setup_seconds[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
+        for name in names:
+            _set_heap_reuse(name, runners[name])
+            start = time.perf_counter()
+            runners[name]()
+            times[name].append(time.perf_counter() - start)
+    _set_heap_reuse("", None)
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    return {
+        "machine": machine_info(threads),
+        "model": args.model,
+        "size": args.size,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "seconds_per_step": medians,
+        "all_seconds": times,
+        "setup_seconds": setup_seconds,
+        "speedup_vs_baseline": {n: medians[BASELINE] / m for n, m in medians.items()},
+    }
+
+
+# --------------------------------------------------------------------------- whole images
+TOME, DEEPCACHE, CHANNELS_LAST = {"token_merging": 0.5}, {"deep_cache": 3}, {"channels_last": True}
+# (label, attention strategy, accelerate() options); the first is the baseline.
+IMAGE_CONFIGS = (
+    ("sdpa (diffusers default)", "sdpa", {}),
+    ("tiled", "tiled", {}),
+    ("channels-last", "sdpa", CHANNELS_LAST),
+    ("ToMe 0.5", "sdpa", TOME),
+    ("DeepCache 3", "sdpa", DEEPCACHE),
+    ("ToMe 0.5 + DeepCache 3", "sdpa", {**TOME, **DEEPCACHE}),
+    ("ToMe 0.5 + DeepCache 3 + tiled", "tiled", {**TOME, **DEEPCACHE}),
+    (
+        "ToMe 0.5 + DeepCache 3 + tiled + channels-last",
+        "tiled",
+        {**TOME, **DEEPCACHE, **CHANNELS_LAST},
+    ),
+)
+
+
+def check_image_configs(pipe, model: str) -> None:
+    """Checks every configuration's acceleration against the model before anything is timed:
+    a method that does not apply to the model fails here, naming the configuration, instead of
+    after the configurations before it have run (ConfigurationError)."""
+    from ..accel.registry import check_acceleration
+
+    for label, _, options in IMAGE_CONFIGS:
+        if not options:  # (no options would check the environment's)
+            continue
+        try:
+            check_acceleration(pipe, **options)
+        except (TypeError, ValueError) as e:
+            raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {e}") from e
+
+
+def run_images(args) -> dict:
+    """Seconds per image (``--images N`` denoising steps + VAE decode) of a full-size pipeline
+    (SD-1.5, 2.1 or SDXL) under each configuration, interleaved after a 1-step warm-up of each,
+    and each image's distance from the exact baseline image (PSNR, pixels in [0, 1]; lossy
+    methods deviate, exact ones do not). ConfigurationError when a configuration does not apply
+    to the model."""
+    import torch
+    from tqdm import tqdm
+
+    from ..accel.registry import accelerate, reset_acceleration
+    from ..integration.processors import reset_attention_strategy, set_attention_strategy
+    from ..runtime import controls as _runtime
+    from .bench_report import machine_info
+    from .pipelines import build_pipeline, prompt_embeddings, psnr_db
+
+    dtype = getattr(torch, args.dtype)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    _runtime.set_num_threads(threads)
+    pipe = build_pipeline(args.model).to(dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    check_image_configs(pipe, args.model)
+    embeds = prompt_embeddings(pipe, dtype, "cpu")
+
+    def image(config, steps: int):
+        _, strategy, options = config
+        reset_acceleration(pipe)
+        if strategy == "sdpa":
+            reset_attention_strategy(pipe)
+        else:
+            set_attention_strategy(pipe, strategy)
+        if options:
+            accelerate(pipe, **options)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = pipe(
+                **embeds,
+                num_inference_steps=steps,
+                height=args.size,
+                width=args.size,
+                output_type="pt",
+                generator=torch.Generator().manual_seed(0),
+            ).images
+        return time.perf_counter() - start, out.float()
+
+    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
+    # the first round, the diffusers default's image first: a 1-step image per configuration.
+    for config in tqdm(IMAGE_CONFIGS, desc="warm-up (1 step each)", unit="configuration"):
+        image(config, 1)
+    times = {c[0]: [] for c in IMAGE_CONFIGS}
+    images = {}
+    for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
+        for config in IMAGE_CONFIGS:
+            seconds, out = image(config, args.images)
+            times[config[0]].append(seconds)
+            images.setdefault(config[0], out)
+    reset_acceleration(pipe)
+    reset_attention_strategy(pipe)
+    baseline = IMAGE_CONFIGS[0][0]
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    return {
+        "machine": machine_info(threads),
+        "model": args.model,
+        "size": args.size,
+        "dtype": args.dtype,
+        "steps": args.images,
+        "scheduler": type(pipe.scheduler).__name__,
+        "repeats": args.repeats,
+        "warm_up": "a 1-step image per configuration, untimed",
+        "seconds_per_image": medians,
+        "all_seconds": times,
+        "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
+        "psnr_db_vs_baseline": {
+            n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in images
+        },
+    }
+
+
+def images_markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['threads']} threads; torch {m['torch']}; {m['date']}. "
+        f"{report['model']} pipeline (random weights), {report['size']}x{report['size']}, "
+        f"{report['steps']} {report.get('scheduler', 'DDIMScheduler')} steps + VAE decode, "
+        f"CFG, {report['dtype']}; medians of {report['repeats']} interleaved rounds"
+        f"{' after a 1-step warm-up of each' if report.get('warm_up') else ''}.",
+        "",
+        "| configuration | s / image | vs diffusers default | image PSNR vs default |",
+        "|---|---|---|---|",
+    ]
+    for name, seconds in report["seconds_per_image"].items():
+        psnr = report["psnr_db_vs_baseline"][name]
+        psnr_text = (
+            "reference"
+            if psnr is None
+            else ("identical" if psnr == float("inf") else f"{psnr:.1f} dB")
+        )
+        lines.append(
+            f"| {name} | {seconds:.1f} | {report['speedup_vs_baseline'][name]:.2f}x | {psnr_text} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['threads']} threads; torch {m['torch']}; {m['date']}. "
+        f"{report['model']} UNet, {report['size']}x{report['size']}, batch 2 (CFG), "
+        f"{report['dtype']}; medians of {report['repeats']} interleaved rounds.",
+        "",
+        "| competitor | s / step | vs eager sdpa (diffusers default) | compile / convert s |",
+        "|---|---|---|---|",
+    ]
+    for name, seconds in report["seconds_per_step"].items():
+        setup = report["setup_seconds"].get(name)
+        lines.append(
+            f"| {name} | {seconds:.2f} | {report['speedup_vs_baseline'][name]:.2f}x | "
+            f"{'-' if setup is None else f'{setup:.0f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def bar_chart(seconds: dict, speedups: dict, ylabel: str, title: str, path: Path) -> Path:
+    """One bar per competitor (seconds), labelled with its speed-up against the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(seconds)
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.15 * len(names)), 3.8))
+    wrapped = [n.replace(" + ", "\n+ ").replace(" (", "\n(") for n in names]
+    bars = ax.bar(wrapped, [seconds[n] for n in names], color="#4477aa")
+    ax.bar_label(bars, [f"{speedups[n]:.2f}x" for n in names], padding=2, fontsize=8)
+    ax.margins(y=0.15)  # room for the labels above the tallest bar
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    plt.setp(ax.get_xticklabels(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _machine_line(report: dict) -> str:
+    m = report["machine"]
+    return f"{m['cpu']}, {m['threads']} threads"
+
+
+def plot(report: dict, path: Path) -> Path:
+    """The step report's chart: seconds per UNet step per competitor."""
+    return bar_chart(
+        report["seconds_per_step"],
+        report["speedup_vs_baseline"],
+        "seconds per UNet step",
+        f"{report['model']} UNet {report['size']}px CFG, {report['dtype']}; "
+        f"x = speed-up vs {BASELINE}\n{_machine_line(report)}",
+        path,
+    )
+
+
+def plot_images(report: dict, path: Path) -> Path:
+    """The ``--images`` report's chart: seconds per image per configuration."""
+    baseline = next(iter(report["seconds_per_image"]))
+    return bar_chart(
+        report["seconds_per_image"],
+        report["speedup_vs_baseline"],
+        "seconds per image",
+        f"{report['model']} pipeline {report['size']}px, {report['steps']} steps + VAE decode, "
+        f"CFG, {report['dtype']}; x = speed-up vs {baseline}\n{_machine_line(report)}",
+        path,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .pipelines import UNET_ARCHITECTURES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m npu_attn bench --e2e",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        default="sd15",
+        choices=tuple(UNET_ARCHITECTURES),
+        help="architecture built from config with random weights (default sd15; sdxl is SDXL "
+        "base 1.0's UNet and VAE; tiny and tiny-sdxl are for tests)",
+    )
+    parser.add_argument(
+        "--size",
+        type=int,
+        help="image size in pixels (default: the model's, 512 for sd15, 1024 for sdxl)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--threads", type=int, help="threads for every competitor")
+    parser.add_argument("--mode", help="torch.compile mode (default: inductor's default)")
+    parser.add_argument("--no-openvino", action="store_true", help="skip OpenVINO")
+    parser.add_argument(
+        "--images",
+        type=int,
+        metavar="STEPS",
+        help="instead: seconds per whole image (STEPS steps + decode) of the pipeline with "
+        "Token Merging and DeepCache (lossy), tiled and channels-last, against the diffusers "
+        "default",
+    )
+    parser.add_argument("--json", type=Path, help="write the report as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
+    args = parser.parse_args(argv)
+    if args.size is None:
+        args.size = UNET_ARCHITECTURES[args.model][1]
+    if args.size < 8 or args.size % 8:
+        parser.error(f"--size must be a positive multiple of 8 pixels, got {args.size}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.images is not None:
+        if args.images < 1:
+            parser.error(f"--images must be >= 1 denoising step, got {args.images}")
+        try:
+            report = run_images(args)
+        except ConfigurationError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(images_markdown(report))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        if args.plot:
+            plot_images(report, args.plot)
+        return 0
+    report = run(args)
+    print(markdown(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if args.plot:
+        plot(report, args.plot)
+    return 0

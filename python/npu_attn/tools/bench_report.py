@@ -1,0 +1,247 @@
+"""The report of ``python -m npu_attn bench``: the machine it ran on, the Markdown table and the
+PNG plots.
+
+Kept apart from :mod:`npu_attn.tools.bench`, which chooses the cases and times them: this
+module only turns a finished report (a dict, also written as JSON) into what people read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Optional
+
+COMPETITORS = ("vanilla", "sdpa", "tiled")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# The peak is the best of a few short probes: with 2 threads on a VM, one probe reads low
+# whenever the hypervisor takes a vCPU for a moment (117 to 228 GFLOP/s back to back on one
+# Zen 4 VM), and a low peak would overstate every "% of peak" in the report.
+PEAK_PROBES = 3
+PEAK_PROBE_SECONDS = 0.2
+
+
+def measured_peak(isa: str, dtype: str, threads: int) -> float:
+    """Peak GFLOP/s of the compute path variant ``isa`` uses for ``dtype``: the best of
+    PEAK_PROBES probes (an upper bound is only ever under-measured)."""
+    from ..runtime.extension import _C
+
+    return max(_C.peak_gflops(isa, dtype, threads, PEAK_PROBE_SECONDS) for _ in range(PEAK_PROBES))
+
+
+def compute_peak(dtype: str, threads: int) -> dict:
+    """The measured peak GFLOP/s of the compute path (fp32 FMA, vdpbf16ps, AMX tiles) that the
+    variant running ``dtype`` self-attention here uses: the limit "% of peak" refers to."""
+    from ..runtime import controls as _runtime
+    from ..runtime.extension import _C
+
+    isa = _runtime.active_isa(dtype)
+    row = next(v for v in _C.variants() if v["name"] == isa)
+    return {
+        "variant": isa,
+        "compute": row["forward_kernel"][dtype],
+        "gflops": round(measured_peak(isa, dtype, threads), 1),
+    }
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+
+    from .._version import __version__
+    from ..runtime import controls as _runtime
+
+    isa = _runtime.active_isa("float32")
+    variants = _runtime.kernel_variants()
+    # per dtype: the measured peak of the compute path its self-attention variant runs on
+    peaks = {dtype: compute_peak(dtype, threads) for dtype in DTYPES}
+    return {
+        "cpu": _runtime.cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "kernel_isa": isa,
+        # which variant runs each dtype and shape class, and why (measured / forced)
+        "kernel_variants": {
+            dtype: {"choice": v["choice"], "source": v["source"]} for dtype, v in variants.items()
+        },
+        "fma_peak_gflops": peaks["float32"]["gflops"],  # float32 runs on `isa`'s FMA path
+        "peak_gflops": peaks,
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "npu_attn": __version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_slug(
+    model: Optional[str] = None,
+    features: Optional[list] = None,
+    masked: Optional[bool] = None,
+) -> str:
+    """A file-name-safe name for this machine and its CPU class, e.g. ``amd-epyc-avx512-bf16``
+    or ``intel-xeon-platinum-8480-amx``: the CPU's brand string without trademarks, clock and
+    core count, then the class of the best kernels it can run (``amx``, ``avx512-bf16``,
+    ``avx512``, ``avx2`` or ``portable``), then ``-emulated`` when NPU_ATTN_DISABLE_FEATURES
+    hides features (the class then is the emulated one). bench/run_all.sh writes its results
+    under this name. Arguments default to this machine's (for tests).
+    """
+    if model is None:
+        from ..runtime import controls as _runtime
+
+        model = _runtime.cpu_model()
+    if features is None:
+        from ..runtime.extension import _C
+
+        features = _C.cpu_info()["features"]  # already masked by NPU_ATTN_DISABLE_FEATURES
+    if masked is None:
+        masked = bool(os.environ.get("NPU_ATTN_DISABLE_FEATURES", "").strip(" ,"))
+    noise = r"\((?:r|tm|c)\)|\b(?:cpu|processor)\b|@\s*[\d.]+\s*[gm]hz|\b\d+-core\b"
+    name = re.sub(noise, " ", model.lower())
+    name = re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
+    features = set(features)
+    if "amx_bf16" in features:
+        cpu_class = "amx"
+    elif "avx512_bf16" in features:
+        cpu_class = "avx512-bf16"
+    elif "avx512f" in features:
+        cpu_class = "avx512"
+    elif "avx2" in features:
+        cpu_class = "avx2"
+    else:
+        cpu_class = "portable"
+    return f"{name}-{cpu_class}" + ("-emulated" if masked else "")
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _fmt_mem(b: Optional[int]) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def _time_cell(results: dict, name: str) -> str:
+    x = results[name]
+    if "median_ms" not in x:
+        return x.get("skipped", "-").replace("skipped: ", "")
+    return f"{x['median_ms']:.1f} [{x['min_ms']:.1f}-{x['max_ms']:.1f}]"
+
+
+def _variants_text(machine: dict) -> str:
+    """e.g. "float32 `avx512`, bfloat16 `amx_bf16` (measured 2026-11-22 on 2 threads)"."""
+    variants = machine.get("kernel_variants")
+    if not variants:  # reports written before variants were chosen per dtype
+        return f"`{machine['kernel_isa']}`"
+    parts = []
+    for dtype, v in variants.items():
+        names = sorted(set(v["choice"].values()))
+        parts.append(f"{dtype} `{'/'.join(names)}` ({v['source']})")
+    return ", ".join(parts)
+
+
+def _peaks_text(m: dict) -> str:
+    peaks = m.get("peak_gflops") or {
+        "float32": {"compute": "fp32 FMA", "gflops": m["fma_peak_gflops"]}
+    }
+    return ", ".join(f"{p['compute']} {p['gflops']:.0f} GFLOP/s ({d})" for d, p in peaks.items())
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {m['threads']} threads for "
+        f"every competitor; npu_attn kernel variants {_variants_text(m)}; measured peaks "
+        f"{_peaks_text(m)}; torch {m['torch']} (CPU capability "
+        f"{m['torch_cpu_capability']}); {m['date']}.",
+        "",
+        "Times are medians of interleaved runs (min-max in brackets); speed-up is torch SDPA "
+        "time / npu_attn tiled time; memory is the peak RSS growth of one call in a fresh "
+        "process (inputs excluded, output included). % of peak is relative to the measured "
+        "peak of the compute path the dtype's self-attention variant runs on.",
+        "",
+        "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
+        "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["cases"]:
+        r = row["results"]
+        cell = functools.partial(_time_cell, r)
+        tiled = r["tiled"]
+        mem = row.get("memory", {})
+        lines.append(
+            f"| {row['case']} | {row['dims']} | {cell('vanilla')} | {cell('sdpa')} | "
+            f"{cell('tiled')} | {tiled.get('speedup_vs_sdpa', 0):.2f}x | "
+            f"{tiled['gflops']:.0f} | {tiled['pct_peak']:.0f}% | "
+            f"{_fmt_mem(mem.get('vanilla'))} / {_fmt_mem(mem.get('sdpa'))} / "
+            f"{_fmt_mem(mem.get('tiled'))} |"
+        )
+    s = report["summary"]
+    if math.isnan(s["geomean_speedup_models"]):  # e.g. --filter target: no model shape ran
+        lines += ["", "No named model shape in this run, so no geometric mean over them."]
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"Geometric-mean speed-up of npu_attn tiled over torch SDPA on the named model shapes: "
+        f"**{s['geomean_speedup_models']:.2f}x** (slowest case {s['min_speedup_models']:.2f}x, "
+        f"{s['min_speedup_case']}).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict, directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["cases"] if r["group"] == "sweep"]
+    if not rows:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = [int(r["dims"].split("Lq")[1].split()[0]) for r in rows]
+    written = []
+    for what, key, ylabel in (
+        ("time", "median_ms", "milliseconds per call"),
+        ("memory", None, "peak extra memory (MiB)"),
+    ):
+        if key is None and not any(r.get("memory") for r in rows):
+            continue  # --no-memory: nothing to plot
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in COMPETITORS:
+            xs, ys = [], []
+            for n, r in zip(lengths, rows):
+                if key is None:
+                    value = r.get("memory", {}).get(name)
+                    value = None if value is None else value / 2**20
+                else:
+                    value = r["results"][name].get(key)
+                if value is not None:
+                    xs.append(n)
+                    ys.append(value)
+            if xs:
+                ax.plot(xs, ys, marker="o", label={"tiled": "npu_attn tiled"}.get(name, name))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (B1 H8 D64 self-attention)")
+        ax.set_ylabel(ylabel)
+        m = report["machine"]
+        ax.set_title(f"{what}: {m['threads']} threads, {m['cpu'][:40]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        path = directory / f"bench_{what}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,252 @@
+"""``python -m npu_attn doctor``: is this installation healthy, and what can it use?
+
+Reports versions (Python, torch, torch_npu, diffusers, npu_attn and its build), the devices
+found and the dtypes that really work on each, the kernel ISA variants, every attention
+strategy with its availability (or why not), and a numerical self-test of each available
+strategy and kernel variant against a float64 reference, and which kernel variant runs each
+dtype and why (measured on this machine, cached, or forced). Exit code 0 when everything
+available passes, 1 otherwise. ``--json`` prints a machine-readable report instead; ``--tune``
+measures the kernel variants again (and updates the cache) before reporting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+from typing import Any, Optional
+
+# A float32 result must match the float64 reference within this (relative to output scale).
+SELF_TEST_TOLERANCE = 1e-4
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _self_test_inputs():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 67, 40, generator=g)
+    k = torch.randn(2, 2, 93, 40, generator=g)
+    v = torch.randn(2, 2, 93, 40, generator=g)
+    mask = torch.rand(2, 1, 67, 93, generator=g) > 0.2
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True
+    )
+
+
+def self_test(fn, dtype=None) -> dict[str, Any]:
+    """Run ``fn`` (SDPA signature) on a GQA + mask case; compare with float64 torch.
+
+    float32: error <= 1e-4 of the output's magnitude. bfloat16 (``dtype``): the flash-attention
+    bar, error <= 2x the error of torch's own SDPA in bfloat16 on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v, mask = _self_test_inputs()
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    try:
+        with torch.no_grad():
+            out = fn(q, k, v, mask, 0.0, False, None, True)
+        ref = _reference(q, k, v, mask)
+        err = float((out.double() - ref).abs().max())
+        if dtype is None:
+            tol = SELF_TEST_TOLERANCE * max(1.0, float(ref.abs().max()))
+        else:
+            with torch.no_grad():
+                theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            tol = 2 * float((theirs.double() - ref).abs().max()) + 1e-6
+        return {"ok": err <= tol, "max_abs_error": err, "tolerance": tol}
+    except Exception as e:  # the doctor reports failures, it does not crash on them
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def collect(tune: bool = False) -> dict[str, Any]:
+    import torch
+
+    from ..attention import strategies
+    from ..device import DETECTION_ORDER, DeviceManager, TorchProbe
+    from ..runtime import controls as _runtime
+    from ..runtime import variant_choice as _variant_choice
+    from ..runtime.extension import _C
+
+    report: dict[str, Any] = {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_npu": _version("torch_npu") or "not installed",
+            "diffusers": _version("diffusers") or "not installed",
+            "transformers": _version("transformers") or "not installed",
+            "npu_attn": _version("npu_attn") or "unknown",
+        },
+        "build": _C.build_info(),
+        "cpu": _C.cpu_info(),
+        "threads": _runtime.get_num_threads(),
+    }
+    probe = TorchProbe()
+    devices = []
+    for device_type in DETECTION_ORDER:
+        if not probe.available(device_type):
+            continue
+        dm = DeviceManager(device_type, probe=probe)
+        devices.append(
+            {
+                "device": str(dm.device),
+                "best_dtype": str(dm.dtype).replace("torch.", ""),
+                "working_dtypes": dm.working_dtypes(),
+            }
+        )
+    report["devices"] = devices
+
+    kernels, kernels_bf16 = {}, {}
+    try:
+        for isa in _runtime.available_isas():
+            _runtime.set_isa(isa)
+            kernels[isa] = self_test(strategies.tiled_attention)
+            # bfloat16 has its own kernels on avx512_bf16 and amx_bf16 (AMX also needs the
+            # OS's permission): worth checking on the machine that will run them.
+            kernels_bf16[isa] = self_test(strategies.tiled_attention, torch.bfloat16)
+    finally:
+        _runtime.set_isa(None)  # back to the measured choice
+    report["kernel_variants"] = kernels
+    report["kernel_variants_bf16"] = kernels_bf16
+    report["variant_table"] = _C.variants()
+    if tune:
+        for dtype in _variant_choice.DTYPES:
+            _variant_choice.tune(dtype, force=True)
+            _variant_choice.tune_backward(dtype, force=True)
+    report["variant_choice"] = _runtime.kernel_variants()
+    report["variant_cache"] = str(_variant_choice.cache_path())
+
+    strategy_report = {}
+    npu_present = any(d["device"].startswith("npu") for d in devices)
+    for name in strategies.STRATEGIES:
+        device = torch.device("npu" if name == "npu" and npu_present else "cpu")
+        reason = strategies.unavailable_reason(name, device)
+        if reason is not None:
+            strategy_report[name] = {"available": False, "reason": reason}
+        elif name == "npu":
+            strategy_report[name] = {"available": True, "self_test": "needs NPU tensors"}
+        else:
+            fn = strategies.RUNNERS[name]
+            strategy_report[name] = {"available": True, "self_test": self_test(fn)}
+    report["strategies"] = strategy_report
+    tests = (
+        list(kernels.values())
+        + list(kernels_bf16.values())
+        + [s["self_test"] for s in strategy_report.values() if isinstance(s.get("self_test"), dict)]
+    )
+    report["ok"] = all(t["ok"] for t in tests)
+    return report
+
+
+def _detail(t: dict[str, Any]) -> str:
+    if "max_abs_error" in t:
+        return f"max error {t['max_abs_error']:.1e}, bound {t['tolerance']:.1e}"
+    return t["error"]
+
+
+def _variant_lines(report: dict[str, Any]) -> list[str]:
+    from ..runtime import variant_choice as _variant_choice
+
+    lines = []
+    for dtype, v in report["variant_choice"].items():
+        names = set(v["choice"].values())
+        if len(names) == 1:
+            chosen = next(iter(names))
+        else:
+            chosen = ", ".join(f"{cls}: {name}" for cls, name in v["choice"].items())
+        lines.append(f"  {dtype:9} {chosen}  [{v['source']}]")
+        for shape_class, per in v.get("ms", {}).items():
+            lines.append(f"  {'':9}   {shape_class}: {_variant_choice.format_timings(per)}")
+        backward = v.get("backward")
+        if backward:
+            if backward["choice"] is None:  # the source says why it follows the forward
+                lines.append(f"  {'':9}   backward: {backward['source']}")
+            else:
+                lines.append(f"  {'':9}   backward: {backward['choice']}  [{backward['source']}]")
+            for label, per in backward.get("ms", {}).items():
+                lines.append(f"  {'':9}     {label}: {_variant_choice.format_timings(per)}")
+    lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
+    return lines
+
+
+def render(report: dict[str, Any]) -> str:
+    def mark(ok):
+        return "ok" if ok else "FAILED"
+
+    v = report["versions"]
+    cpu = report["cpu"]
+    b = report["build"]
+    lines = [
+        "npu_attn doctor",
+        "",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"Build: {b['compiler']}, OpenMP {b['openmp']}, Eigen {b['eigen']}, "
+        f"{b.get('build_type', '?')}; variants compiled: {', '.join(b['compiled_isas'])}",
+        f"CPU: {cpu['model']} ({cpu['vendor']}), {cpu['logical_cores']} logical cores, "
+        f"L2 {cpu['l2_bytes'] // 1024} KiB, features: {' '.join(cpu['features'])}",
+        f"Kernel variants runnable here: {', '.join(cpu['runnable_isas'])}; "
+        f"threads: {report['threads']}",
+        "",
+        "Devices:",
+    ]
+    for d in report["devices"]:
+        lines.append(
+            f"  {d['device']}: best dtype {d['best_dtype']}; working dtypes: "
+            f"{', '.join(d['working_dtypes'])}"
+        )
+    lines += ["", "Kernel variant per dtype (and why):"]
+    lines += _variant_lines(report)
+    lines += ["", "Kernel variants (self-test vs float64 reference):"]
+    for isa, t in report["kernel_variants"].items():
+        t16 = report["kernel_variants_bf16"][isa]
+        lines.append(
+            f"  {isa:12} float32 {mark(t['ok'])} ({_detail(t)}); bfloat16 "
+            f"{mark(t16['ok'])} ({_detail(t16)})"
+        )
+    lines += ["", "Attention strategies:"]
+    for name, s in report["strategies"].items():
+        if not s["available"]:
+            lines.append(f"  {name:8} unavailable: {s['reason']}")
+            continue
+        t = s["self_test"]
+        if isinstance(t, str):
+            lines.append(f"  {name:8} available ({t})")
+            continue
+        detail = f"max error {t['max_abs_error']:.1e}" if "max_abs_error" in t else t["error"]
+        lines.append(f"  {name:8} available, self-test {mark(t['ok'])} ({detail})")
+    lines += ["", "Overall: " + ("OK" if report["ok"] else "PROBLEMS FOUND")]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m npu_attn doctor", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print a JSON report")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="measure which kernel variant is fastest for each dtype again and cache it",
+    )
+    args = parser.parse_args(argv)
+    report = collect(tune=args.tune)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

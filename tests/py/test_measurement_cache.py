@@ -1,0 +1,62 @@
+"""The one measurement cache (kernel variants and ``auto`` choices): its versioned file
+format, files written before the format number existed, and a cache that cannot be written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npu_attn.attention.auto import AutoSelector
+from npu_attn.runtime import cache, variant_choice
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_both_kinds_of_measurement_share_one_directory_and_format(cache_dir):
+    assert variant_choice.cache_path() == cache_dir / "kernel_variants.json"
+    assert AutoSelector.cache_path() == cache_dir / "auto_strategy.json"
+    store = cache.MeasurementCache("x.json")
+    store.store("machine-a", "float32", {"choice": "avx2"})
+    store.store("machine-b", "float32", {"choice": "scalar"})
+    data = json.loads((cache_dir / "x.json").read_text())
+    assert data == {
+        "format": cache.FORMAT,
+        "machine-a": {"float32": {"choice": "avx2"}},
+        "machine-b": {"float32": {"choice": "scalar"}},
+    }
+    assert store.get("machine-a", "float32") == {"choice": "avx2"}
+    assert store.get("machine-a", "bfloat16") is None
+    assert store.get("machine-c", "float32") is None
+
+
+def test_a_file_from_before_the_format_number_is_read(cache_dir):
+    (cache_dir / "x.json").write_text(json.dumps({"fp": {"k": {"choice": "tiled"}}}))
+    store = cache.MeasurementCache("x.json")
+    assert store.get("fp", "k") == {"choice": "tiled"}
+    store.store("fp", "k2", {"choice": "sdpa"})  # kept, and stamped with the format
+    data = json.loads((cache_dir / "x.json").read_text())
+    assert data["format"] == cache.FORMAT and data["fp"]["k"] == {"choice": "tiled"}
+
+
+def test_a_newer_or_broken_file_is_a_miss_not_an_error(cache_dir):
+    store = cache.MeasurementCache("x.json")
+    (cache_dir / "x.json").write_text(json.dumps({"format": cache.FORMAT + 1, "fp": {"k": {}}}))
+    assert store.get("fp", "k") is None
+    (cache_dir / "x.json").write_text("{not json")
+    assert store.get("fp", "k") is None
+    (cache_dir / "x.json").write_text("[1, 2]")
+    assert store.get("fp", "k") is None
+
+
+def test_an_unwritable_cache_costs_nothing_but_the_entry(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(blocker / "sub"))  # a path under a file
+    store = cache.MeasurementCache("x.json")
+    store.store("fp", "k", {"choice": "tiled"})
+    assert store.get("fp", "k") is None
