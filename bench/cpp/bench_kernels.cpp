@@ -77,6 +77,7 @@ void register_all() {
       {"sd15_self_1024_d80", {2, 8, 1024, 1024, 80}},
       {"sd15_self_256_d160", {2, 8, 256, 256, 160}},
       {"sd15_self_64_d160", {2, 8, 64, 64, 160}},
+      {"vae_mid_4096_d512", {1, 1, 4096, 4096, 512}},
   };
   for (auto isa : npu_attn::runnable_isas()) {
     for (const auto& [name, shape] : shapes) {

@@ -357,8 +357,6 @@ NPU_ATTN_VEC_INLINE Vec exp2_probability(Vec t) {
 }
 #pragma GCC diagnostic pop
 
-constexpr float kLog2e = 1.44269504088896341f;
-
 // The probabilities of keys j and j + 1 (HasHi; else key j and a zero: an odd last key) for
 // Vecs vectors of queries: exp(s * scale - shift) = 2^(s * factor - shift2), rounded to one
 // row of bfloat16 pairs of P^T, and added to the row sums.

@@ -59,7 +59,7 @@ constexpr int64_t kTasksPerThread = 4;
 // barriers for short sequences, bounded memory for long ones).
 constexpr int64_t kPackBudgetBytes = int64_t{32} << 20;
 // Keys per P*V pass inside a key tile: keeps the S^T and V chunks near L1...
-constexpr int kPvKeyChunk = 128;
+constexpr int kPvKeyChunk = kVecBytes == 32 ? 128 : 128;
 // ...but fewer for very large value head dims (the VAE's 512): each pass streams the P^T chunk
 // once per 6 output channels, and at 512 channels a 32-key chunk (8 KiB of P^T) measured ~20%
 // faster than 128 keys (32 KiB, all of L1) on Zen 4, ~6% at 384, and no better below. The
@@ -384,15 +384,22 @@ NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, i
 // Online softmax over one key tile of S^T, one lane per query, turning S^T into P^T in place
 // and rescaling the running O^T and sum by alpha = exp(m_old - m_new). Templated on the number
 // of query vectors so the per-vector state lives in registers.
+// The exponentials are taken in base 2 (exp2_nonpositive): exp(s - shift) = 2^(s log2(e) -
+// shift log2(e)), one FMA per score. The rounding of shift log2(e) is the same for every key
+// of a query, so it cancels in P / l.
 template <int Vecs>
 void softmax_update(const AttentionParams& p, int64_t ld, int64_t keys, ThreadScratch& ws) {
   Vec shift[Vecs], sum[Vecs];
   softmax_rescale<Vecs, false>(p, ld, keys, ws.st, 1.0f, ws, shift, sum);
+  const Vec log2e = splat(kLog2e);
+  Vec shift2[Vecs];
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * log2e;
   for (int64_t j = 0; j < keys; ++j) {
 #pragma GCC unroll 16
     for (int v = 0; v < Vecs; ++v) {
       float* s = ws.st + j * ld + v * kLanes;
-      const Vec e = exp_nonpositive(load(s) - shift[v]);
+      const Vec e = exp2_nonpositive(load(s) * log2e - shift2[v]);
       store(s, e);
       sum[v] += e;
     }
