@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from .runtime import ascend
 from .runtime import controls as _runtime
 from .runtime.extension import _C
 
@@ -74,10 +75,8 @@ class TorchProbe(DeviceProbe):
 
     @staticmethod
     def _module(device_type: str):
-        if device_type == "npu":
-            if importlib.util.find_spec("torch_npu") is None:
-                return None
-            importlib.import_module("torch_npu")  # registers torch.npu
+        if device_type == "npu" and ascend.torch_npu()[0] is None:  # it registers torch.npu
+            return None
         return getattr(torch, device_type, None) if device_type != "cpu" else None
 
     def available(self, device_type: str) -> bool:

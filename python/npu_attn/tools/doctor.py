@@ -29,6 +29,17 @@ def _version(package: str) -> Optional[str]:
         return None
 
 
+def _torch_npu_status() -> str:
+    """torch_npu's version, or why it cannot be used (installed but not importable)."""
+    from ..runtime import ascend
+
+    reason = ascend.unavailable_reason()
+    if reason == ascend.NOT_INSTALLED:
+        return "not installed"
+    version = _version("torch_npu") or "installed"
+    return version if reason is None else f"{version}; {reason}"
+
+
 def _self_test_inputs():
     import torch
 
@@ -88,7 +99,7 @@ def collect(tune: bool = False) -> dict[str, Any]:
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "torch_npu": _version("torch_npu") or "not installed",
+            "torch_npu": _torch_npu_status(),
             "diffusers": _version("diffusers") or "not installed",
             "transformers": _version("transformers") or "not installed",
             "npu_attn": _version("npu_attn") or "unknown",

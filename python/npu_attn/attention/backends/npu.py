@@ -17,20 +17,20 @@ diffusers itself sends (see shared/reference/FACTS.md section 4):
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 
 import torch
 
+from ...runtime import ascend
 from .base import AttentionCall, Backend, count_call
 from .torch_sdpa import call_original
 
 
 def unavailable_reason(device_type: str) -> str | None:
     """Why the NPU path cannot serve a model on ``device_type`` (None: it can)."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return "torch_npu is not installed (Ascend NPU support)"
+    reason = ascend.unavailable_reason()
+    if reason is not None:
+        return reason
     if device_type != "npu":
         return f"the npu strategy needs the model on an Ascend NPU; it is on {device_type}"
     return None
@@ -57,7 +57,9 @@ def fusion_attention(
     """SDPA semantics on torch_npu's fused kernel (see module docstring)."""
     if query.dtype not in (torch.float16, torch.bfloat16):
         return call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    torch_npu = importlib.import_module("torch_npu")
+    torch_npu, reason = ascend.torch_npu()
+    if torch_npu is None:
+        raise RuntimeError(f"the npu strategy cannot run: {reason}")
     batch, heads, len_q, head_dim = query.shape
     len_k = key.shape[-2]
     if key.shape[1] != heads:
@@ -92,9 +94,7 @@ class NpuBackend(Backend):
     supports_dropout = True
 
     def unavailable_reason(self):
-        if importlib.util.find_spec("torch_npu") is None:
-            return "torch_npu is not installed (Ascend NPU support)"
-        return None
+        return ascend.unavailable_reason()
 
     def forward(self, call: AttentionCall) -> torch.Tensor:
         count_call(self.name)
