@@ -34,6 +34,19 @@ echo "==> installing Python dependencies (requirements-dev.txt)"
   "DeepCache==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
+# The Ascend boundary tests read the real torch_npu release's op schemas, docs and Python
+# sources without importing it (it needs CANN's libraries): the wheel is downloaded and the files
+# they read are unpacked into build/, outside every import path, so it can never shadow a real
+# installation or change a CPU run.
+TORCH_NPU_RELEASE=build/torch_npu_release
+if [ ! -f "$TORCH_NPU_RELEASE/torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml" ]; then
+  echo "==> downloading torch-npu==2.13.0 for the Ascend boundary tests (not installed)"
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps "torch-npu==2.13.0" \
+    --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
+    -d build/torch_npu_wheel 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python tests/py/torch_npu_release.py unpack build/torch_npu_wheel "$TORCH_NPU_RELEASE"
+fi
+
 echo "==> building and installing npu_attn"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . \
   2>&1 | grep -v "^WARNING: Location" || true

@@ -87,3 +87,28 @@ def test_the_doctor_reports_the_import_error(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "NPU unavailable: ImportError: libhccl.so" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_torchair_graph_mode_refuses_without_an_npu(tmp_path):
+    result = run(
+        tmp_path,
+        "ImportError",
+        *script(
+            """
+            import sys
+            import pytest, torch
+            from tiny_models import tiny_unet
+
+            unet = tiny_unet()
+            sys.path.insert(0, "site")
+            import npu_attn
+
+            with pytest.raises(RuntimeError, match="torchair.*needs torch_npu: NPU unavailable"):
+                npu_attn.compile(unet, "tiled", backend="torchair")
+            assert npu_attn.compiled_components(unet) == {}  # nothing changed
+            print("ok")
+            """
+        ),
+        on_path=False,
+    )
+    assert result.returncode == 0, result.stderr

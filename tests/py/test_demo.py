@@ -123,7 +123,12 @@ def test_auto_steady_state_row_is_separate_from_its_measuring_cost(bf16_demo):
 
 def test_vae_decode_runs_without_autograd(bf16_demo):
     cache = bf16_demo["tmp_path"] / "cache" / "auto_strategy.json"
-    entries = [key for shapes in json.loads(cache.read_text()).values() for key in shapes]
+    entries = [
+        key
+        for fingerprint, shapes in json.loads(cache.read_text()).items()
+        if fingerprint != "format"  # the cache file's format number (npu_attn.runtime.cache)
+        for key in shapes
+    ]
     assert any(key.startswith("q(1, 1, ") for key in entries), entries  # the VAE's attention
     assert [key for key in entries if key.endswith(" fwd+bwd")] == []
 

@@ -26,6 +26,7 @@ import torch
 
 from ..components import StateAttribute, models_of
 from ..integration.processors import set_attention_strategy
+from ..runtime import ascend
 from .frozen_conv import FrozenConvPass, check_float32_convs
 from .frozen_linear import FrozenLinearPass, check_float32_linears
 
@@ -206,6 +207,32 @@ def _components(target: Any, text_encoder: bool) -> dict[str, torch.nn.Module]:
     return chosen
 
 
+def _default_backend(components: dict[str, torch.nn.Module]) -> str:
+    on_npu = any(p.device.type == "npu" for m in components.values() for p in m.parameters())
+    return "torchair" if on_npu else "inductor"
+
+
+def torchair_backend():
+    """torchair's torch.compile backend for Ascend NPUs, with frozen parameters (the graph mode
+    of Ascend's SD-2.1 port). Raises RuntimeError, saying why, without torch_npu or an NPU."""
+    torch_npu, reason = ascend.torch_npu()
+    if torch_npu is None:
+        raise RuntimeError(
+            f"backend='torchair' is Ascend's graph mode and needs torch_npu: {reason}"
+        )
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available():
+        raise RuntimeError(
+            "backend='torchair' compiles for an Ascend NPU and none is available here; use "
+            "backend='inductor' (the default off the NPU)"
+        )
+    import torchair  # shipped inside torch_npu (torch_npu/dynamo/torchair)
+
+    config = torchair.CompilerConfig()
+    config.experimental_config.frozen_parameter = True
+    return torchair.get_npu_backend(compiler_config=config)
+
+
 def compile(
     target: Any,
     strategy: Optional[str] = "auto",
@@ -213,7 +240,7 @@ def compile(
     mode: Optional[str] = None,
     dynamic: Optional[bool] = None,
     fullgraph: bool = False,
-    backend: str = "inductor",
+    backend: Optional[str] = None,
     freeze: bool = False,
     float32_linears: str = "auto",
     float32_convs: str = "auto",
@@ -227,7 +254,12 @@ def compile(
             single model.
         strategy: the attention strategy to compile in (``"auto"``, ``"tiled"``, ``"sdpa"``,
             ``"vanilla"``, ``"npu"``); ``None`` keeps the processors as they are.
-        mode, dynamic, fullgraph, backend: passed to :func:`torch.compile`.
+        mode, dynamic, fullgraph: passed to :func:`torch.compile`.
+        backend: :func:`torch.compile`'s backend. ``"torchair"`` is Ascend's graph mode
+            (torchair's ``get_npu_backend`` with frozen parameters, as Ascend's SD-2.1 port
+            uses it), for models on an NPU; it needs torch_npu and an NPU and raises otherwise.
+            ``None``: ``"torchair"`` when the compiled components are on an NPU, else
+            ``"inductor"``.
         freeze: inductor's freezing (``backend="inductor"`` only) for calls under
             ``torch.no_grad`` / ``torch.inference_mode``: the weights become constants of the
             compiled graph, so convolutions and linears are prepacked for oneDNN and constant
@@ -272,6 +304,7 @@ def compile(
     for option, value in (("float32_linears", float32_linears), ("float32_convs", float32_convs)):
         if value != "auto" and not freeze:
             raise ValueError(f"{option}={value!r} applies to frozen graphs only: pass freeze=True")
+    backend = backend or _default_backend(components)
     if freeze and backend != "inductor":
         raise ValueError(
             "freeze=True needs backend='inductor' (freezing is an inductor pass), got "
@@ -288,6 +321,7 @@ def compile(
                 "Merging's random destination draw and the caches' step bookkeeping break the "
                 "graph); use fullgraph=False or npu_attn.reset_acceleration(target) first"
             )
+    compiler = torchair_backend() if backend == "torchair" else backend
     applied = "unchanged"
     if strategy is not None:
         applied = set_attention_strategy(target, strategy)
@@ -298,7 +332,7 @@ def compile(
             mode=mode,
             dynamic=dynamic,
             fullgraph=fullgraph,
-            backend=backend,
+            backend=compiler,
         )
         # What nn.Module.compile() does, with the first call timed around the compiled call.
         guard = _FrozenWeightsGuard(module, name) if freeze else None

@@ -7,8 +7,8 @@ diffusers itself sends (see shared/reference/FACTS.md section 4):
 
 - layout: SDPA's (B, H, S, D) is ``input_layout="BNSD"``; ``head_num`` is H.
 - ``atten_mask`` marks *masked* positions (True = do not attend), the inverse of torch's bool
-  mask; it is given as (B or 1, 1 or H, Lq, Lk). Causal (top-left) adds the strict upper
-  triangle. Float (additive) masks go in ``pse``, the additive bias input.
+  mask; it is given as BNSS, B1SS or 11SS (the layouts torch_npu documents). Causal (top-left)
+  adds the strict upper triangle. Float (additive) masks go in ``pse``, the additive bias input.
 - ``keep_prob = 1 - dropout_p``; ``scale`` defaults to 1/sqrt(D); pre/next tokens 65536 as
   diffusers uses.
 - The fused kernel takes fp16/bf16 only: fp32 calls go to torch's SDPA, as diffusers does.
@@ -36,14 +36,22 @@ def unavailable_reason(device_type: str) -> str | None:
     return None
 
 
+# pre_tockens / next_tockens: the window diffusers passes on Ascend. It bounds nothing for
+# diffusion sequence lengths; the schema's default (2**31 - 1) is the unbounded one.
+TOKEN_WINDOW = 65536
+
+
 def _masked_positions(attn_mask, is_causal, batch, heads, len_q, len_k, device):
-    """torch semantics (True = attend / additive) -> torch_npu's (True = masked), 4-D."""
+    """torch semantics (True = attend / additive) -> torch_npu's (True = masked), in one of the
+    layouts it documents: BNSS, B1SS or 11SS (never (B, 1, 1, S), nor 1NSS)."""
     masked = None
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         mask = attn_mask
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-        masked = ~mask.expand(batch if mask.shape[0] != 1 else 1, mask.shape[1], len_q, len_k)
+        per_head = mask.shape[1] != 1
+        rows = batch if mask.shape[0] != 1 or per_head else 1
+        masked = ~mask.expand(rows, heads if per_head else 1, len_q, len_k)
     if is_causal:
         upper = torch.ones(len_q, len_k, dtype=torch.bool, device=device).triu(1)
         upper = upper.view(1, 1, len_q, len_k)
@@ -80,8 +88,8 @@ def fusion_attention(
         atten_mask=masked,
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         keep_prob=1.0 - float(dropout_p),
-        pre_tockens=65536,
-        next_tockens=65536,
+        pre_tockens=TOKEN_WINDOW,
+        next_tockens=TOKEN_WINDOW,
     )
     return outputs[0]
 
