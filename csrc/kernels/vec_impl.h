@@ -55,6 +55,18 @@ NPU_ATTN_VEC_INLINE Vec max_ignoring_nan(Vec x, Vec acc) {
   return x > acc ? x : acc;
 }
 
+// p * 2^n, where `rounded` is n + 1.5 * 2^23 (n rounded by the magic constant, |n| <= 126): the
+// low mantissa bits of `rounded` hold n, so shifting them left by 23 adds n to p's exponent.
+NPU_ATTN_VEC_INLINE Vec times_pow2_rounded(Vec p, Vec rounded) {
+  UVec n_bits, p_bits;  // unsigned: the shift wraps by definition
+  __builtin_memcpy(&n_bits, &rounded, sizeof(rounded));
+  __builtin_memcpy(&p_bits, &p, sizeof(p));
+  p_bits += n_bits << 23;
+  Vec y;
+  __builtin_memcpy(&y, &p_bits, sizeof(y));
+  return y;
+}
+
 // exp(x) for x <= 0 (all softmax arguments are <= 0 after subtracting the row max).
 // Cephes-style: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (max relative
 // error ~2 ulp), then 2^n added straight into the exponent bits. n comes from the
@@ -78,13 +90,7 @@ NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
   p = p * r + splat(1.6666665459e-1f);
   p = p * r + splat(5.0000001201e-1f);
   p = p * (r * r) + r + splat(1.0f);
-  UVec t_bits, p_bits;  // unsigned: the shift wraps by definition
-  __builtin_memcpy(&t_bits, &t, sizeof(t));
-  __builtin_memcpy(&p_bits, &p, sizeof(p));
-  p_bits += t_bits << 23;  // multiply by 2^n
-  Vec y;
-  __builtin_memcpy(&y, &p_bits, sizeof(y));
-  return x < lowest ? splat(0.0f) : y;
+  return x < lowest ? splat(0.0f) : times_pow2_rounded(p, t);
 }
 
 // 2^t for t <= 0, the softmax's exponentials in base 2: exp(s - m) = 2^(s log2(e) - m log2(e)),
@@ -109,13 +115,7 @@ NPU_ATTN_VEC_INLINE Vec exp2_nonpositive(Vec t) {
   p = p * f + splat(2.4022647738456726e-1f);
   p = p * f + splat(6.9314718246459961e-1f);
   p = p * f + splat(1.0f);
-  UVec r_bits, p_bits;  // unsigned: the shift wraps by definition
-  __builtin_memcpy(&r_bits, &r, sizeof(r));
-  __builtin_memcpy(&p_bits, &p, sizeof(p));
-  p_bits += r_bits << 23;  // multiply by 2^n
-  Vec y;
-  __builtin_memcpy(&y, &p_bits, sizeof(y));
-  return t < lowest ? splat(0.0f) : y;
+  return t < lowest ? splat(0.0f) : times_pow2_rounded(p, r);
 }
 
 constexpr float kLog2e = 1.44269504088896341f;
