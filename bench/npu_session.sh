@@ -6,7 +6,8 @@
 # (docs/ascend-npu.md). On an Ascend host (CANN installed, its set_env.sh sourced, torch_npu
 # matching torch) this runs, in order:
 #   1. the environment: CANN toolkit and driver versions, npu-smi, torch / torch_npu versions;
-#   2. `python -m npu_attn doctor` (devices, dtypes that work, every strategy's self-test);
+#   2. `python -m npu_attn doctor` (devices, dtypes that work, every strategy's self-test, and its
+#      Ascend section: CANN/driver versions and the fused kernel against the CPU kernel);
 #   3. the fused attention (`npu` strategy) on the NPU against npu_attn's CPU kernel and a
 #      float64 reference on the same inputs: float16 and bfloat16, no mask / bool / additive /
 #      key-padding masks, causal, GQA;

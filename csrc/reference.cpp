@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "bfloat16.h"
+#include "half.h"
 
 namespace npu_attn {
 
@@ -21,7 +22,7 @@ double element_at(const void* base, ElementType type, int64_t offset) {
     case ElementType::kFloat32:
       return static_cast<const float*>(base)[offset];
     case ElementType::kFloat16:
-      return static_cast<double>(static_cast<const _Float16*>(base)[offset]);
+      return static_cast<double>(static_cast<const Half*>(base)[offset]);
     case ElementType::kBFloat16: {
       const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[offset]) << 16;
       float f;
@@ -39,7 +40,7 @@ void set_element(void* base, ElementType type, int64_t offset, double value) {
       static_cast<float*>(base)[offset] = f;
       return;
     case ElementType::kFloat16:
-      static_cast<_Float16*>(base)[offset] = static_cast<_Float16>(f);
+      static_cast<Half*>(base)[offset] = static_cast<Half>(f);
       return;
     case ElementType::kBFloat16:
       static_cast<uint16_t*>(base)[offset] = bfloat16_bits(f);

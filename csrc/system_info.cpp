@@ -17,6 +17,10 @@
 #if defined(__linux__)
 #include <sys/syscall.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 namespace npu_attn {
 namespace {
@@ -111,6 +115,31 @@ CpuFeatures detect_features() {
   }
   return f;
 }
+#elif defined(__aarch64__)
+// AArch64 has no CPUID a user program may read: Linux reports the implementer and part in
+// /proc/cpuinfo and the features in the auxiliary vector.
+void fill_identity(CpuInfo& info) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string key = line.substr(0, line.find_last_not_of(" \t", colon - 1) + 1);
+    const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
+    if (key == "CPU implementer" && info.vendor.empty()) info.vendor = "ARM implementer " + value;
+    if (key == "CPU part" && info.model.empty()) info.model = "AArch64 part " + value;
+  }
+}
+
+CpuFeatures detect_features() {
+  CpuFeatures f;
+#if defined(__linux__)
+  f.asimd = getauxval(AT_HWCAP) & HWCAP_ASIMD;
+#else
+  f.asimd = true;  // mandatory in ARMv8-A
+#endif
+  return f;
+}
 #else
 void fill_identity(CpuInfo&) {}
 CpuFeatures detect_features() {
@@ -135,6 +164,7 @@ constexpr FeatureField kFeatureFields[] = {
     {"avx512_bf16", &CpuFeatures::avx512_bf16},
     {"amx_tile", &CpuFeatures::amx_tile},
     {"amx_bf16", &CpuFeatures::amx_bf16},
+    {"asimd", &CpuFeatures::asimd},
 };
 
 }  // namespace

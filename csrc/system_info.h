@@ -15,7 +15,8 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false;
   bool amx_tile = false, amx_bf16 = false;  // AMX: only when the OS granted the permission
-  std::vector<std::string> names() const;   // the ones present, e.g. {"avx2", "fma", ...}
+  bool asimd = false;  // AArch64 Advanced SIMD (NEON): part of every ARMv8-A core
+  std::vector<std::string> names() const;  // the ones present, e.g. {"avx2", "fma", ...}
 };
 
 // Every feature name CpuFeatures knows, for messages ("sse4.2, avx2, ...").

@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(g++ make binutils libeigen3-dev libgtest-dev libbenchmark-dev libdlpack-dev clang-format)
+# g++-aarch64-linux-gnu and qemu-user: the C++ suite cross-built for AArch64 (Ascend hosts) and run
+# emulated (scripts/test.sh).
+APT_PACKAGES=(g++ make binutils libeigen3-dev libgtest-dev libbenchmark-dev libdlpack-dev clang-format
+  g++-aarch64-linux-gnu qemu-user)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test: lint, the C++ GoogleTest suite (normal and ASan+UBSan builds) via ctest,
+# Runs every test: lint, the C++ GoogleTest suite (normal, AArch64 under qemu-user, and
+# ASan+UBSan builds) via ctest,
 # then pytest. Expects scripts/setup.sh to have run. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,14 @@ for features in "amx_tile,amx_bf16" "avx512_bf16,amx_tile,amx_bf16" "avx512f" "a
   NPU_ATTN_DISABLE_FEATURES="$features" build/cpp/tests/cpp/npu_attn_cpp_tests --gtest_brief=1 \
     --gtest_filter='VariantTable.*:EmulatedCpu.*:EmulatedAmx.*:ThisCpu.*:SystemInfo.*:Kernels/EveryIsa.MatchesReferenceOnShapeGrid/*:Kernels/LowPrecision.ForwardAndBackwardMatchTheReference/*'
 done
+
+echo "==> C++ tests on AArch64 (cross-built with g++-aarch64-linux-gnu, run under qemu-user)"
+# Ascend NPUs sit in AArch64 hosts (Kunpeng): the core, its portable and neon variants and the
+# whole GoogleTest suite, as built there (cmake/aarch64-linux-gnu.cmake).
+cmake -S . -B build/aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
+  -DNPU_ATTN_BUILD_PYTHON=OFF >/dev/null
+cmake --build build/aarch64 -j "$JOBS"
+ctest --test-dir build/aarch64 --output-on-failure -j "$JOBS"
 
 echo "==> C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build/asan -G Ninja -DNPU_ATTN_BUILD_PYTHON=OFF -DNPU_ATTN_SANITIZE=ON \

@@ -421,7 +421,7 @@ inline void attention_backward_tiled(const AttentionBackwardParams& bp) {
     case ElementType::kBFloat16:
       return run_backward<BFloat16, FloatTileBackward>(bp);
     case ElementType::kFloat16:
-      return run_backward<_Float16, FloatTileBackward>(bp);
+      return run_backward<Half, FloatTileBackward>(bp);
   }
 }
 

@@ -520,7 +520,7 @@ KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* p
 }
 
 // The float32-compute family for run_forward (forward_driver_impl.h): T is the element type of
-// the tensors (float, BFloat16 or _Float16); everything is computed in float32.
+// the tensors (float, BFloat16 or Half); everything is computed in float32.
 template <typename T>
 struct TiledFamily {
   // The thread clamp counts tasks of one vector of queries each (plan_tiled's tiles are
@@ -551,7 +551,7 @@ inline void attention_forward_tiled(const AttentionParams& p) {
     case ElementType::kBFloat16:
       return run_forward<TiledFamily<BFloat16>>(p);
     case ElementType::kFloat16:
-      return run_forward<TiledFamily<_Float16>>(p);
+      return run_forward<TiledFamily<Half>>(p);
   }
 }
 

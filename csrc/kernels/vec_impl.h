@@ -13,9 +13,13 @@
 #include <cstdint>
 
 #include "../bfloat16.h"  // bfloat16_bits: the scalar rounding rule
+#include "../half.h"      // Half: IEEE binary16
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>  // F16C conversions; the intrinsics are always-inline, no symbols
+#endif
+#if defined(__aarch64__) && NPU_ATTN_VEC_BYTES == 16
+#include <arm_neon.h>  // fcvtl/fcvtn: a whole vector of float16 per instruction
 #endif
 
 namespace npu_attn {
@@ -162,7 +166,7 @@ NPU_ATTN_VEC_INLINE void with_count(int64_t n, Fn&& fn) {
 // ---------------------------------------------------------------- element types
 // Tensors may hold float32, bfloat16 or float16; the kernels always compute in float32 and
 // convert when they pack inputs and write results. bfloat16 is the top half of a float32;
-// float16 uses the compiler's _Float16 (F16C's vcvtph2ps/vcvtps2ph when built with -mf16c,
+// float16 uses the compiler's Half (F16C's vcvtph2ps/vcvtps2ph when built with -mf16c,
 // libgcc's software conversion on the portable variant).
 struct BFloat16 {
   uint16_t bits;
@@ -171,7 +175,7 @@ struct BFloat16 {
 NPU_ATTN_VEC_INLINE float to_float(float x) {
   return x;
 }
-NPU_ATTN_VEC_INLINE float to_float(_Float16 x) {
+NPU_ATTN_VEC_INLINE float to_float(Half x) {
   return static_cast<float>(x);
 }
 NPU_ATTN_VEC_INLINE float to_float(BFloat16 x) {
@@ -190,8 +194,7 @@ NPU_ATTN_VEC_INLINE T from_float(float x) {
   }
 }
 
-typedef _Float16 UnalignedHalfVec
-    __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
+typedef Half UnalignedHalfVec __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
 typedef uint16_t UnalignedU16Vec __attribute__((vector_size(kVecBytes / 2), aligned(2), may_alias));
 typedef uint16_t U16Vec __attribute__((vector_size(kVecBytes / 2)));
 
@@ -200,14 +203,16 @@ template <typename T>
 NPU_ATTN_VEC_INLINE Vec load_as_float(const T* p) {
   if constexpr (__is_same(T, float)) {
     return load(p);
-  } else if constexpr (__is_same(T, _Float16)) {
-    // GCC 12 lowers __builtin_convertvector from _Float16 element by element; F16C converts a
+  } else if constexpr (__is_same(T, Half)) {
+    // GCC 12 lowers __builtin_convertvector from Half element by element; F16C converts a
     // whole vector in one vcvtph2ps.
 #if NPU_ATTN_VEC_BYTES == 64 && defined(__AVX512F__)
     // (maskz: GCC 12's unmasked form trips -Wmaybe-uninitialized inside its own header)
     return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif NPU_ATTN_VEC_BYTES == 32 && defined(__F16C__)
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif NPU_ATTN_VEC_BYTES == 16 && defined(__aarch64__)
+    return vcvt_f32_f16(vld1_f16(p));
 #else
     return __builtin_convertvector(*reinterpret_cast<const UnalignedHalfVec*>(p), Vec);
 #endif
@@ -224,12 +229,14 @@ template <typename T>
 NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
   if constexpr (__is_same(T, float)) {
     store(p, v);
-  } else if constexpr (__is_same(T, _Float16)) {
+  } else if constexpr (__is_same(T, Half)) {
 #if NPU_ATTN_VEC_BYTES == 64 && defined(__AVX512F__)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT));
 #elif NPU_ATTN_VEC_BYTES == 32 && defined(__F16C__)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#elif NPU_ATTN_VEC_BYTES == 16 && defined(__aarch64__)
+    vst1_f16(p, vcvt_f16_f32(v));
 #else
     *reinterpret_cast<UnalignedHalfVec*>(p) = __builtin_convertvector(v, UnalignedHalfVec);
 #endif
@@ -244,9 +251,14 @@ NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
 
 // ---------------------------------------------------------------- register-blocked products
 // Register blocks: kBlockRows broadcast operands times up to kMaxBlockVecs vectors of columns.
-// 6 x 4 = 24 accumulators with AVX-512's 32 registers, 6 x 2 = 12 with 16 registers.
+// 6 x 4 = 24 accumulators with 32 vector registers (AVX-512, AArch64), 6 x 2 = 12 with 16
+// (AVX2, SSE). A variant with 32 registers and narrower vectors says so with
+// NPU_ATTN_VEC_REGISTERS.
+#ifndef NPU_ATTN_VEC_REGISTERS
+#define NPU_ATTN_VEC_REGISTERS (NPU_ATTN_VEC_BYTES == 64 ? 32 : 16)
+#endif
 constexpr int kBlockRows = 6;
-constexpr int kMaxBlockVecs = kVecBytes == 64 ? 4 : 2;
+constexpr int kMaxBlockVecs = NPU_ATTN_VEC_REGISTERS >= 32 ? 4 : 2;
 
 // How the broadcast operand A(r, i) is laid out: a[r * lda + i] or a[r + i * lda]. A
 // compile-time choice keeps the compiler from versioning the inner loop on the strides.

@@ -4,7 +4,8 @@
 #     could end up being called from the scalar variant on a machine without AVX-512.
 #  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers; the
 #     emulated AMX kernels (tests/cpp/amx_emulation.h) contain no real tile instruction, which
-#     an intrinsic the emulation does not replace would leave behind.
+#     an intrinsic the emulation does not replace would leave behind; the neon (AArch64) object
+#     has 4-lane vector FMAs.
 # OBJECTS is a list of "isa=path/to/object.o" entries.
 foreach(entry ${OBJECTS})
   string(REGEX MATCH "^([a-z0-9_]+)=(.*)$" _ "${entry}")
@@ -30,6 +31,9 @@ foreach(entry ${OBJECTS})
   endif()
   if(isa STREQUAL "amx_emulated" AND asm MATCHES "(%tmm|ldtilecfg|sttilecfg|tilerelease)")
     message(FATAL_ERROR "amx_emulated: object contains real AMX instructions")
+  endif()
+  if(isa STREQUAL "neon" AND NOT asm MATCHES "fmla[ \t]+v[0-9]+\\.4s")
+    message(FATAL_ERROR "neon: object contains no 4-lane vector FMA; were the flags applied?")
   endif()
   if(isa MATCHES "^(avx512|amx_emulated)" AND NOT asm MATCHES "%zmm")
     message(FATAL_ERROR "avx512: object contains no zmm instructions; were the flags applied?")

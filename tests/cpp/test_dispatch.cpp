@@ -21,6 +21,7 @@ CpuFeatures every_feature() {
   f.sse42 = f.avx2 = f.fma = f.f16c = true;
   f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = true;
   f.amx_tile = f.amx_bf16 = true;
+  f.asimd = true;
   return f;
 }
 
@@ -120,6 +121,17 @@ TEST(EmulatedCpu, Avx2OnlyCpu) {
   const CpuFeatures hsw = mask_cpu_features(every_feature(), "avx512f");
   EXPECT_EQ(runnable_isas(hsw), (std::vector<Isa>{Isa::scalar, Isa::avx2}));
   for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, hsw), Isa::avx2);
+}
+#endif
+
+#if defined(NPU_ATTN_ARM64)
+// AArch64 hosts (Kunpeng next to Ascend NPUs): every ARMv8-A core has Advanced SIMD.
+TEST(EmulatedCpu, AArch64RunsNeonForEveryType) {
+  CpuFeatures kunpeng;
+  kunpeng.asimd = true;
+  EXPECT_EQ(runnable_isas(kunpeng), (std::vector<Isa>{Isa::scalar, Isa::neon}));
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, kunpeng), Isa::neon);
+  EXPECT_EQ(runnable_isas(mask_cpu_features(kunpeng, "asimd")), std::vector<Isa>{Isa::scalar});
 }
 #endif
 

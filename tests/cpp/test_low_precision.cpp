@@ -13,6 +13,7 @@
 #include "attention_cases.h"
 #include "bfloat16.h"
 #include "dispatch.h"
+#include "half.h"
 #include "test_support.h"
 
 namespace npu_attn::testing {
@@ -22,7 +23,7 @@ using HalfTensor = OwnedTensor<uint16_t>;  // raw bfloat16 or float16 bits
 
 uint16_t to_bits(float x, DType dtype) {
   if (dtype == DType::kFloat16) {
-    const _Float16 h = static_cast<_Float16>(x);
+    const Half h = static_cast<Half>(x);
     uint16_t bits;
     std::memcpy(&bits, &h, sizeof(bits));
     return bits;
@@ -32,7 +33,7 @@ uint16_t to_bits(float x, DType dtype) {
 
 float from_bits(uint16_t bits, DType dtype) {
   if (dtype == DType::kFloat16) {
-    _Float16 h;
+    Half h;
     std::memcpy(&h, &bits, sizeof(h));
     return static_cast<float>(h);
   }

@@ -222,3 +222,33 @@ def test_the_torchair_backend_npu_attn_builds_exists_in_the_release():
     source = inspect.getsource(mode.torchair_backend)
     assert "config.experimental_config.frozen_parameter = True" in source
     assert "torchair.get_npu_backend(compiler_config=config)" in source
+
+
+# torch_npu calls the doctor's Ascend section makes (doctor_ascend.py), with their arguments.
+DOCTOR_CALLS = [
+    ("npu/utils.py", "get_cann_version", ("module",)),
+    ("npu/__init__.py", "device_count", ()),
+    ("npu/__init__.py", "get_device_name", ("device_name",)),
+]
+
+
+@pytest.mark.parametrize(("file", "name", "passed"), DOCTOR_CALLS, ids=lambda x: str(x))
+def test_the_doctor_calls_exist_in_torch_npu(file, name, passed):
+    from npu_attn.tools import doctor_ascend
+
+    function = release.python_function(file, name)
+    assert [a.arg for a in function.args.args][: len(passed)] == list(passed)
+    assert name in inspect.getsource(doctor_ascend)
+
+
+def test_the_cann_components_the_doctor_asks_for_exist():
+    """get_cann_version lives in torch_npu.npu.utils (torch.npu does not re-export it), and
+    takes the component names the doctor passes."""
+    from npu_attn.tools import doctor_ascend
+
+    assert "get_cann_version" not in release.imported_names("npu/__init__.py")
+    doc = inspect.cleandoc(
+        release.python_function("npu/utils.py", "get_cann_version").body[0].value.value
+    )
+    for component in doctor_ascend.CANN_COMPONENTS:
+        assert f'\\"{component}\\"' in doc, component

@@ -6,7 +6,9 @@ strategy with its availability (or why not), and a numerical self-test of each a
 strategy and kernel variant against a float64 reference, and which kernel variant runs each
 dtype and why (measured on this machine, cached, or forced). Exit code 0 when everything
 available passes, 1 otherwise. ``--json`` prints a machine-readable report instead; ``--tune``
-measures the kernel variants again (and updates the cache) before reporting.
+measures the kernel variants again (and updates the cache) before reporting. On an Ascend host
+it also reports CANN and driver versions, the NPUs visible and a smoke test of the fused
+attention kernel against the CPU kernel (doctor_ascend.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import platform
 import sys
 from typing import Any, Optional
 
-# A float32 result must match the float64 reference within this (relative to output scale).
-SELF_TEST_TOLERANCE = 1e-4
+from . import doctor_ascend
+from .self_test import self_test
 
 
 def _version(package: str) -> Optional[str]:
@@ -38,52 +40,6 @@ def _torch_npu_status() -> str:
         return "not installed"
     version = _version("torch_npu") or "installed"
     return version if reason is None else f"{version}; {reason}"
-
-
-def _self_test_inputs():
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 67, 40, generator=g)
-    k = torch.randn(2, 2, 93, 40, generator=g)
-    v = torch.randn(2, 2, 93, 40, generator=g)
-    mask = torch.rand(2, 1, 67, 93, generator=g) > 0.2
-    return q, k, v, mask
-
-
-def _reference(q, k, v, mask):
-    import torch.nn.functional as F
-
-    return F.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True
-    )
-
-
-def self_test(fn, dtype=None) -> dict[str, Any]:
-    """Run ``fn`` (SDPA signature) on a GQA + mask case; compare with float64 torch.
-
-    float32: error <= 1e-4 of the output's magnitude. bfloat16 (``dtype``): the flash-attention
-    bar, error <= 2x the error of torch's own SDPA in bfloat16 on the same inputs."""
-    import torch
-    import torch.nn.functional as F
-
-    q, k, v, mask = _self_test_inputs()
-    if dtype is not None:
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    try:
-        with torch.no_grad():
-            out = fn(q, k, v, mask, 0.0, False, None, True)
-        ref = _reference(q, k, v, mask)
-        err = float((out.double() - ref).abs().max())
-        if dtype is None:
-            tol = SELF_TEST_TOLERANCE * max(1.0, float(ref.abs().max()))
-        else:
-            with torch.no_grad():
-                theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            tol = 2 * float((theirs.double() - ref).abs().max()) + 1e-6
-        return {"ok": err <= tol, "max_abs_error": err, "tolerance": tol}
-    except Exception as e:  # the doctor reports failures, it does not crash on them
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
 def collect(tune: bool = False) -> dict[str, Any]:
@@ -156,10 +112,12 @@ def collect(tune: bool = False) -> dict[str, Any]:
             fn = strategies.RUNNERS[name]
             strategy_report[name] = {"available": True, "self_test": self_test(fn)}
     report["strategies"] = strategy_report
+    report["npu"] = doctor_ascend.collect(npu_present)
     tests = (
         list(kernels.values())
         + list(kernels_bf16.values())
         + [s["self_test"] for s in strategy_report.values() if isinstance(s.get("self_test"), dict)]
+        + ([report["npu"]["fused_attention"]] if "fused_attention" in report["npu"] else [])
     )
     report["ok"] = all(t["ok"] for t in tests)
     return report
@@ -241,6 +199,7 @@ def render(report: dict[str, Any]) -> str:
             continue
         detail = f"max error {t['max_abs_error']:.1e}" if "max_abs_error" in t else t["error"]
         lines.append(f"  {name:8} available, self-test {mark(t['ok'])} ({detail})")
+    lines += ["", "Ascend NPU:"] + doctor_ascend.render(report["npu"])
     lines += ["", "Overall: " + ("OK" if report["ok"] else "PROBLEMS FOUND")]
     return "\n".join(lines)
 

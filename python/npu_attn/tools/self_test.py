@@ -1,0 +1,55 @@
+"""The doctor's numerical self-test: an attention function against float64 attention on one
+grouped-query case with a boolean mask (shared by the CPU and the Ascend checks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# A float32 result must match the float64 reference within this (relative to output scale).
+SELF_TEST_TOLERANCE = 1e-4
+
+
+def inputs():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 67, 40, generator=g)
+    k = torch.randn(2, 2, 93, 40, generator=g)
+    v = torch.randn(2, 2, 93, 40, generator=g)
+    mask = torch.rand(2, 1, 67, 93, generator=g) > 0.2
+    return q, k, v, mask
+
+
+def reference(q, k, v, mask):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True
+    )
+
+
+def self_test(fn, dtype=None) -> dict[str, Any]:
+    """Run ``fn`` (SDPA signature) on a GQA + mask case; compare with float64 torch.
+
+    float32: error <= 1e-4 of the output's magnitude. bfloat16 (``dtype``): the flash-attention
+    bar, error <= 2x the error of torch's own SDPA in bfloat16 on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v, mask = inputs()
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    try:
+        with torch.no_grad():
+            out = fn(q, k, v, mask, 0.0, False, None, True)
+        ref = reference(q, k, v, mask)
+        err = float((out.double() - ref).abs().max())
+        if dtype is None:
+            tol = SELF_TEST_TOLERANCE * max(1.0, float(ref.abs().max()))
+        else:
+            with torch.no_grad():
+                theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            tol = 2 * float((theirs.double() - ref).abs().max()) + 1e-6
+        return {"ok": err <= tol, "max_abs_error": err, "tolerance": tol}
+    except Exception as e:  # the doctor reports failures, it does not crash on them
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
