@@ -50,6 +50,38 @@ if [ ! -f "$TORCH_NPU_RELEASE/torch_npu/csrc/aten/npu_native_functions_by_codege
   .venv/bin/python tests/py/torch_npu_release.py unpack build/torch_npu_wheel "$TORCH_NPU_RELEASE"
 fi
 
+# The AArch64 Python extension check (scripts/aarch64_python.sh): Debian's arm64 CPython headers
+# to build against, and an arm64 CPython and NumPy, unpacked into build/ (never installed), to
+# load it with under qemu-user.
+AARCH64_PYTHON=build/aarch64-python
+ROOT_OR_SUDO=""
+[ "$(id -u)" -eq 0 ] || ROOT_OR_SUDO="sudo"
+if ! dpkg -s libpython3.11-dev:arm64 >/dev/null 2>&1; then
+  echo "==> installing Debian's arm64 CPython headers (libpython3.11-dev:arm64)"
+  dpkg --print-foreign-architectures | grep -qx arm64 || $ROOT_OR_SUDO dpkg --add-architecture arm64
+  $ROOT_OR_SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $ROOT_OR_SUDO apt-get install -y -qq --no-install-recommends \
+    libpython3.11-dev:arm64
+fi
+if [ ! -x "$AARCH64_PYTHON/root/usr/bin/python3.11" ]; then
+  echo "==> unpacking an arm64 CPython for the AArch64 extension check"
+  mkdir -p "$AARCH64_PYTHON/debs"
+  (cd "$AARCH64_PYTHON/debs" && apt-get download -qq python3.11-minimal:arm64 \
+    libpython3.11-minimal:arm64 libpython3.11-stdlib:arm64 libexpat1:arm64 zlib1g:arm64 \
+    libffi8:arm64 libbz2-1.0:arm64 liblzma5:arm64 2>&1 | grep -v "unsandboxed" || true)
+  for deb in "$AARCH64_PYTHON"/debs/*.deb; do dpkg -x "$deb" "$AARCH64_PYTHON/root"; done
+  # The extension's C++ and OpenMP runtimes, from the cross toolchain (the C library comes from
+  # libc6:arm64, installed with the headers above).
+  cp -a /usr/aarch64-linux-gnu/lib/libgomp.so* /usr/aarch64-linux-gnu/lib/libstdc++.so* \
+    /usr/aarch64-linux-gnu/lib/libgcc_s.so* "$AARCH64_PYTHON/root/usr/lib/aarch64-linux-gnu/"
+fi
+if [ ! -d "$AARCH64_PYTHON/site/numpy" ]; then
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps "numpy>=1.26,<2.3" \
+    --only-binary=:all: --python-version 3.11 --platform manylinux2014_aarch64 \
+    -d "$AARCH64_PYTHON/wheels" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m zipfile -e "$AARCH64_PYTHON"/wheels/numpy-*.whl "$AARCH64_PYTHON/site"
+fi
+
 echo "==> building and installing npu_attn"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps . \
   2>&1 | grep -v "^WARNING: Location" || true

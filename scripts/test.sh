@@ -34,6 +34,7 @@ cmake -S . -B build/aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-
   -DNPU_ATTN_BUILD_PYTHON=OFF >/dev/null
 cmake --build build/aarch64 -j "$JOBS"
 ctest --test-dir build/aarch64 --output-on-failure -j "$JOBS"
+bash scripts/aarch64_python.sh  # the Python extension, built for and loaded by arm64 CPython
 
 echo "==> C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build/asan -G Ninja -DNPU_ATTN_BUILD_PYTHON=OFF -DNPU_ATTN_SANITIZE=ON \
