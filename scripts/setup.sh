@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 # g++-aarch64-linux-gnu and qemu-user: the C++ suite cross-built for AArch64 (Ascend hosts) and run
 # emulated (scripts/test.sh).
 APT_PACKAGES=(g++ make binutils libeigen3-dev libgtest-dev libbenchmark-dev libdlpack-dev clang-format
-  g++-aarch64-linux-gnu qemu-user)
+  g++-aarch64-linux-gnu qemu-user
+  chromium chromium-driver)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -35,6 +36,14 @@ echo "==> installing Python dependencies (requirements-dev.txt)"
 # already pinned above).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "tomesd==0.1.3" \
   "DeepCache==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
+# The web UI's extra (npu_attn[ui]: Gradio...), its list read from pyproject.toml so the pins
+# live in one place; chromium and chromium-driver above are its browser tests' browser.
+echo "==> installing the web UI's dependencies (the ui extra)"
+mkdir -p build
+.venv/bin/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['ui']))" \
+  >build/ui-requirements.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check -r build/ui-requirements.txt \
+  2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 # The Ascend boundary tests read the real torch_npu release's op schemas, docs and Python

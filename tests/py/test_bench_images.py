@@ -17,6 +17,7 @@ import torch
 
 from npu_attn.tools.bench_e2e import (
     IMAGE_CONFIGS,
+    TRANSFORMER_IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,
     check_image_configs,
@@ -25,6 +26,7 @@ from npu_attn.tools.bench_e2e import (
 )
 from npu_attn.tools.cli import main
 from npu_attn.tools.pipelines import (
+    ARCHITECTURES,
     MODELS,
     SDXL_MODELS,
     UNET_ARCHITECTURES,
@@ -72,21 +74,46 @@ def test_tiny_sdxl_images_write_a_png_chart(tiny_sdxl_report):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
-@pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux", "sd3"])
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux", "tiny-hidream"])
+def test_transformer_families_run_their_image_configurations(model, tmp_path):
+    """--images on a transformer family: First Block Cache instead of Token Merging and
+    DeepCache, through the same builders as the demo and the UI."""
+    report_path = tmp_path / "r.json"
+    argv = ["bench", "--e2e", "--images", "2", "--repeats", "1", "--model", model]
+    assert main([*argv, "--dtype", "float32", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    labels = [config[0] for config in TRANSFORMER_IMAGE_CONFIGS]
+    assert list(report["seconds_per_image"]) == labels
+    assert all(report["seconds_per_step"][n] > 0 for n in labels)
+    assert report["scheduler"] == "FlowMatchEulerDiscreteScheduler"
+    assert all(report["psnr_db_vs_baseline"][n] > 10 for n in labels[1:])
+
+
+def test_the_step_benchmark_takes_unets_only(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--model", "tiny-flux"])
+    assert exit_info.value.code == 2
+    assert "use --images for tiny-flux" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux-dev", "sd35"])
 def test_unknown_model_is_refused_with_the_choices(model, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--e2e", "--images", "2", "--model", model])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"invalid choice: '{model}'" in err
-    assert all(name in err for name in UNET_ARCHITECTURES), err
+    assert all(name in err for name in ARCHITECTURES), err
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--images", "0"], "--images must be >= 1"),
-        (["--images", "2", "--size", "100"], "--size must be a positive multiple of 8"),
+        (
+            ["--images", "2", "--size", "100"],
+            "--size: size 100 px: this model takes multiples of 8",
+        ),
         (["--images", "2", "--repeats", "0"], "--repeats must be >= 1"),
     ],
 )

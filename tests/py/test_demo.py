@@ -219,6 +219,24 @@ def test_demo_runs_sd3_with_first_block_cache_as_a_separate_row(tmp_path):
     assert (tmp_path / "out" / "image.png").is_file()
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-hidream"])
+def test_demo_runs_flux_and_hidream_with_first_block_cache(tmp_path, model):
+    """Flux's (packed latents, distilled guidance, diffusers' FirstBlockCache) and HiDream's
+    (T5 + Llama text, the pipeline's own size rescaling, npu_attn's block cache) pipelines
+    through the demo, with the same builders as the UI and ``bench --e2e --images``."""
+    result = run_demo(
+        tmp_path,
+        *("--model", model, "--steps", "2", "--strategies", "sdpa,tiled"),
+        *("--block-cache", "0.1", "--out", str(tmp_path / "out")),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{model} architecture" in result.stdout
+    rows = table_rows(result.stdout)
+    assert float(rows["tiled"][3]) < 1e-4  # exact
+    assert "auto + First Block Cache 0.1" in rows
+    assert (tmp_path / "out" / "image.png").is_file()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -24,10 +24,12 @@ separately; the table gives medians and ratios to the baseline and names the mac
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
-their combinations (IMAGE_CONFIGS), with each image's PSNR against the default's. ``--model sdxl``
-is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random weights, prompts
-as random embeddings with SDXL's pooled ones) at 1024x1024 by default; ``--size`` picks
-another size. ``--plot`` writes either report as a bar chart.
+their combinations (IMAGE_CONFIGS; the transformer families SD3, Flux and HiDream take First
+Block Cache instead: TRANSFORMER_IMAGE_CONFIGS), with each image's PSNR against the default's
+and the seconds per denoising step inside each image. The web UI's compare tab runs the same
+code (compare_images). ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and
+Euler scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at
+1024x1024 by default; ``--size`` picks another size. ``--plot`` writes either report as a bar chart.
 """
 
 from __future__ import annotations
@@ -246,7 +248,9 @@ def run(args) -> dict:
 
 # --------------------------------------------------------------------------- whole images
 TOME, DEEPCACHE, CHANNELS_LAST = {"token_merging": 0.5}, {"deep_cache": 3}, {"channels_last": True}
-# (label, attention strategy, accelerate() options); the first is the baseline.
+BLOCK_CACHE = {"block_cache": 0.1}
+# (label, attention strategy, accelerate() options); the first is the baseline. UNet models
+# (SD-1.5, 2.1, SDXL) take Token Merging and DeepCache.
 IMAGE_CONFIGS = (
     ("sdpa (diffusers default)", "sdpa", {}),
     ("tiled", "tiled", {}),
@@ -261,15 +265,29 @@ IMAGE_CONFIGS = (
         {**TOME, **DEEPCACHE, **CHANNELS_LAST},
     ),
 )
+# The transformer families (SD3, Flux, HiDream) take First Block Cache instead; channels-last
+# applies to their VAE.
+TRANSFORMER_IMAGE_CONFIGS = (
+    ("sdpa (diffusers default)", "sdpa", {}),
+    ("tiled", "tiled", {}),
+    ("channels-last", "sdpa", CHANNELS_LAST),
+    ("block cache 0.1", "sdpa", BLOCK_CACHE),
+    ("block cache 0.1 + tiled", "tiled", BLOCK_CACHE),
+)
 
 
-def check_image_configs(pipe, model: str) -> None:
+def image_configs(family: str) -> tuple:
+    """The ``--images`` configurations for a model family (pipelines.FAMILIES)."""
+    return IMAGE_CONFIGS if family in ("sd", "sdxl") else TRANSFORMER_IMAGE_CONFIGS
+
+
+def check_image_configs(pipe, model: str, configs=IMAGE_CONFIGS) -> None:
     """Checks every configuration's acceleration against the model before anything is timed:
     a method that does not apply to the model fails here, naming the configuration, instead of
     after the configurations before it have run (ConfigurationError)."""
     from ..accel.registry import check_acceleration
 
-    for label, _, options in IMAGE_CONFIGS:
+    for label, _, options in configs:
         if not options:  # (no options would check the environment's)
             continue
         try:
@@ -278,20 +296,105 @@ def check_image_configs(pipe, model: str) -> None:
             raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {e}") from e
 
 
+def configure(pipe, strategy: str, options: dict) -> None:
+    """Puts `pipe` in one configuration: the attention strategy (``sdpa`` = diffusers' own
+    processors) and the accelerations, replacing the previous configuration's."""
+    from ..accel.registry import accelerate, reset_acceleration
+    from ..integration.processors import reset_attention_strategy, set_attention_strategy
+
+    reset_acceleration(pipe)
+    if strategy == "sdpa":
+        reset_attention_strategy(pipe)
+    else:
+        set_attention_strategy(pipe, strategy)
+    if options:
+        accelerate(pipe, **options)
+
+
+def timed_image(pipe, embeds: dict, steps: int, size: int, seed: int = 0):
+    """(seconds of the whole image, seconds of its denoising loop, image float32 in [0, 1]):
+    one image of `pipe` as configured; the loop ends at the last step's callback, before the
+    VAE decodes."""
+    import torch
+
+    from .pipelines import fit_size
+
+    fit_size(pipe, size)
+    loop_end = []
+
+    def mark_step_end(pipeline, step, timestep, callback_kwargs):
+        loop_end[:] = [time.perf_counter()]
+        return callback_kwargs
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = pipe(
+            **embeds,
+            num_inference_steps=steps,
+            height=size,
+            width=size,
+            output_type="pt",
+            generator=torch.Generator().manual_seed(seed),
+            callback_on_step_end=mark_step_end,
+        ).images
+    end = time.perf_counter()
+    return end - start, loop_end[0] - start, out.float()
+
+
+def compare_images(
+    pipe, configs, embeds: dict, steps: int, size: int, repeats: int, on_round=None, seed: int = 0
+):
+    """Each configuration's image seconds (all from `seed`), interleaved over `repeats` rounds
+    after an untimed 1-step warm-up of each, and its distance from the first (exact)
+    configuration's image.
+    `on_round(done, total)` is called after each round. Returns the report's measurements:
+    medians of seconds per image and per denoising step, speed-ups and PSNRs vs the first."""
+    from .pipelines import psnr_db
+
+    names = [label for label, _, _ in configs]
+    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
+    # the first round, the diffusers default's image first: a 1-step image per configuration.
+    for _, strategy, options in configs:
+        configure(pipe, strategy, options)
+        timed_image(pipe, embeds, 1, size)
+    times = {name: [] for name in names}
+    loop_times = {name: [] for name in names}
+    images = {}
+    for done in range(repeats):
+        for label, strategy, options in configs:
+            configure(pipe, strategy, options)
+            seconds, loop_seconds, image = timed_image(pipe, embeds, steps, size, seed)
+            times[label].append(seconds)
+            loop_times[label].append(loop_seconds / steps)
+            images.setdefault(label, image)
+        if on_round is not None:
+            on_round(done + 1, repeats)
+    configure(pipe, "sdpa", {})
+    baseline = names[0]
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    return {
+        "seconds_per_image": medians,
+        "seconds_per_step": {n: statistics.median(t) for n, t in loop_times.items()},
+        "all_seconds": times,
+        "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
+        "psnr_db_vs_baseline": {
+            n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in names
+        },
+    }
+
+
 def run_images(args) -> dict:
-    """Seconds per image (``--images N`` denoising steps + VAE decode) of a full-size pipeline
-    (SD-1.5, 2.1 or SDXL) under each configuration, interleaved after a 1-step warm-up of each,
-    and each image's distance from the exact baseline image (PSNR, pixels in [0, 1]; lossy
-    methods deviate, exact ones do not). ConfigurationError when a configuration does not apply
-    to the model."""
+    """Seconds per image (``--images N`` denoising steps + VAE decode) of a pipeline of any
+    family under each of its configurations (image_configs), interleaved after a 1-step
+    warm-up of each, and each image's distance from the exact baseline image (PSNR, pixels in
+    [0, 1]; lossy methods deviate, exact ones do not). ConfigurationError when a configuration
+    does not apply to the model."""
     import torch
     from tqdm import tqdm
 
-    from ..accel.registry import accelerate, reset_acceleration
-    from ..integration.processors import reset_attention_strategy, set_attention_strategy
     from ..runtime import controls as _runtime
     from .bench_report import machine_info
-    from .pipelines import build_pipeline, prompt_embeddings, psnr_db
+    from .pipelines import FAMILIES, build_pipeline, prompt_embeddings
 
     dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()
@@ -299,45 +402,13 @@ def run_images(args) -> dict:
     _runtime.set_num_threads(threads)
     pipe = build_pipeline(args.model).to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    check_image_configs(pipe, args.model)
+    configs = image_configs(FAMILIES[args.model])
+    check_image_configs(pipe, args.model, configs)
     embeds = prompt_embeddings(pipe, dtype, "cpu")
-
-    def image(config, steps: int):
-        _, strategy, options = config
-        reset_acceleration(pipe)
-        if strategy == "sdpa":
-            reset_attention_strategy(pipe)
-        else:
-            set_attention_strategy(pipe, strategy)
-        if options:
-            accelerate(pipe, **options)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = pipe(
-                **embeds,
-                num_inference_steps=steps,
-                height=args.size,
-                width=args.size,
-                output_type="pt",
-                generator=torch.Generator().manual_seed(0),
-            ).images
-        return time.perf_counter() - start, out.float()
-
-    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
-    # the first round, the diffusers default's image first: a 1-step image per configuration.
-    for config in tqdm(IMAGE_CONFIGS, desc="warm-up (1 step each)", unit="configuration"):
-        image(config, 1)
-    times = {c[0]: [] for c in IMAGE_CONFIGS}
-    images = {}
-    for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
-        for config in IMAGE_CONFIGS:
-            seconds, out = image(config, args.images)
-            times[config[0]].append(seconds)
-            images.setdefault(config[0], out)
-    reset_acceleration(pipe)
-    reset_attention_strategy(pipe)
-    baseline = IMAGE_CONFIGS[0][0]
-    medians = {n: statistics.median(t) for n, t in times.items()}
+    with tqdm(total=args.repeats, desc="interleaved rounds", unit="round") as bar:
+        measured = compare_images(
+            pipe, configs, embeds, args.images, args.size, args.repeats, lambda *_: bar.update()
+        )
     return {
         "machine": machine_info(threads),
         "model": args.model,
@@ -347,12 +418,7 @@ def run_images(args) -> dict:
         "scheduler": type(pipe.scheduler).__name__,
         "repeats": args.repeats,
         "warm_up": "a 1-step image per configuration, untimed",
-        "seconds_per_image": medians,
-        "all_seconds": times,
-        "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
-        "psnr_db_vs_baseline": {
-            n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in images
-        },
+        **measured,
     }
 
 
@@ -453,7 +519,14 @@ def plot_images(report: dict, path: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .pipelines import UNET_ARCHITECTURES
+    from .pipelines import (
+        ARCHITECTURES,
+        FAMILIES,
+        UNET_ARCHITECTURES,
+        architecture_summary,
+        size_problem,
+        vae_scale_factor,
+    )
 
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn bench --e2e",
@@ -463,9 +536,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--model",
         default="sd15",
-        choices=tuple(UNET_ARCHITECTURES),
+        choices=tuple(ARCHITECTURES),
         help="architecture built from config with random weights (default sd15; sdxl is SDXL "
-        "base 1.0's UNet and VAE; tiny and tiny-sdxl are for tests)",
+        "base 1.0's UNet and VAE; the tiny ones are for tests). The per-step comparison "
+        f"takes the UNets ({', '.join(UNET_ARCHITECTURES)}); --images every family",
     )
     parser.add_argument(
         "--size",
@@ -482,16 +556,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=int,
         metavar="STEPS",
         help="instead: seconds per whole image (STEPS steps + decode) of the pipeline with "
-        "Token Merging and DeepCache (lossy), tiled and channels-last, against the diffusers "
-        "default",
+        "Token Merging and DeepCache (UNets) or First Block Cache (transformers; lossy), tiled "
+        "and channels-last, against the diffusers default",
     )
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
     if args.size is None:
-        args.size = UNET_ARCHITECTURES[args.model][1]
-    if args.size < 8 or args.size % 8:
-        parser.error(f"--size must be a positive multiple of 8 pixels, got {args.size}")
+        args.size = ARCHITECTURES[args.model][1]
+    config = architecture_summary(args.model)[1]
+    problem = size_problem(FAMILIES[args.model], config, vae_scale_factor(args.model), args.size)
+    if problem is not None:
+        parser.error(f"--size: {problem}")
+    if args.images is None and args.model not in UNET_ARCHITECTURES:
+        parser.error(f"the per-step comparison takes UNet models; use --images for {args.model}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.images is not None:

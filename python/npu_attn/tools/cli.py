@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("info", help="build information and the kernel variant per dtype")
     sub.add_parser(
+        "ui", help="a web page to generate and compare (needs npu_attn[ui])", add_help=False
+    )
+    sub.add_parser(
         "bench", help="benchmark every attention strategy on this machine", add_help=False
     )
     return parser
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "ui":
+        from .ui import main as ui_main
+
+        return ui_main(argv[1:])
     if argv and argv[0] == "doctor":
         from .doctor import main as doctor_main
 

@@ -25,10 +25,11 @@ rounding does to the result (random weights amplify it step after step): a strat
 deviation is of that size differs from ``sdpa`` only by rounding. The image, a PNG chart of the
 table and ``results.json`` (the same columns) are written to the output folder.
 
-``--model`` picks another architecture (SD-2.1, SDXL, SD3 medium: ARCHITECTURES), ``--weights
-DIR`` a real local diffusers model folder (with ``--prompt``). ``--tome``, ``--deepcache`` (UNet
-pipelines) and ``--block-cache`` (SD3) add one lossy row: ``auto`` with those step
-accelerations (:func:`~npu_attn.accelerate`), checked against the model before anything runs.
+``--model`` picks another architecture (SD-2.1, SDXL, SD3 medium, Flux and HiDream-I1 at full
+width but reduced depth: ARCHITECTURES), ``--weights DIR`` a real local diffusers model folder
+(with ``--prompt``). ``--tome``, ``--deepcache`` (UNet pipelines) and ``--block-cache`` (SD3,
+Flux, HiDream) add one lossy row: ``auto`` with those step accelerations
+(:func:`~npu_attn.accelerate`), checked against the model before anything runs.
 While the demo runs, diffusers' and transformers' configuration and deprecation warnings are
 silenced (set DIFFUSERS_VERBOSITY or TRANSFORMERS_VERBOSITY to see them); npu_attn's own log
 lines and errors are shown.
@@ -54,7 +55,9 @@ from .pipelines import (
     ARCHITECTURES,
     build_pipeline,
     denoiser,
+    fit_size,
     load_pipeline,
+    pipeline_family,
     prompt_embeddings,
     psnr_db,
     relative_error,
@@ -97,8 +100,9 @@ class AutoCost:
         return max(0.0, self.first_run.seconds - steady.seconds)
 
 
-def _time_runner(strategy: str):
-    """Replaces the strategy's runner by a timed one; returns (seconds list, restore)."""
+def time_attention(strategy: str):
+    """Replaces the strategy's runner by a timed one; returns ([seconds, calls] inside it,
+    restore). Processors look their runner up when created: switch the strategy after."""
     from ..attention import strategies
 
     spent = [0.0, 0]  # seconds, calls
@@ -126,8 +130,9 @@ def denoise(pipe, strategy: str, args, embeds, dm, label: Optional[str] = None) 
 
     label = label or strategy
     pipe.set_progress_bar_config(desc=f"{label:>7} denoising")
+    fit_size(pipe, args.size)
     # Processors look their runner up when created, so the timer goes in before switching.
-    spent, restore = _time_runner(strategy)
+    spent, restore = time_attention(strategy)
     set_attention_strategy(pipe, strategy)
     try:
         with measure_peak() as memory, torch.no_grad():
@@ -168,6 +173,9 @@ def decode(pipe, latents):
     import torch
 
     vae = pipe.vae
+    if latents.ndim == 3:  # Flux returns them packed in 2x2 patches; the demo's are square
+        side = math.isqrt(latents.shape[1]) * 2 * pipe.vae_scale_factor
+        latents = pipe._unpack_latents(latents, side, side, pipe.vae_scale_factor)
     shift = vae.config.shift_factor or 0.0  # SD3's latents are shifted as well as scaled
     with torch.no_grad():
         scaled = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + shift
@@ -246,6 +254,11 @@ def run_accelerated(pipe, args, embeds, dm) -> RunResult:
 def block_cache_line(state: dict[str, Any]) -> str:
     """How often First Block Cache skipped the blocks after the first (a threshold too low
     for the run skips nothing, and the row then equals ``auto``'s)."""
+    if state["implementation"] == "diffusers":  # Flux...: diffusers' hooks keep no counts
+        return (
+            f"First Block Cache (threshold {state['threshold']}): diffusers' FirstBlockCache "
+            "hooks on this transformer (they do not count the skipped calls)"
+        )
     return (
         f"First Block Cache (threshold {state['threshold']}): the blocks after the first were "
         f"skipped on {state['skipped_calls']} of {state['calls']} transformer calls"
@@ -475,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(ARCHITECTURES),
         help="architecture built from config with random weights (default sd15; sdxl is SDXL "
         "base 1.0's UNet, VAE and scheduler, 1024px by default; sd3 is SD3 medium's transformer, "
-        "VAE and scheduler, 512px by default; the tiny ones are for tests)",
+        "VAE and scheduler, 512px by default; flux and hidream are FLUX.1-dev's and HiDream-I1's "
+        "transformers at full width with 2 + 4 blocks; the tiny ones are for tests)",
     )
     parser.add_argument("--weights", type=Path, help="a local diffusers model folder instead")
     parser.add_argument("--prompt", help="prompt (with --weights; random embeddings otherwise)")
@@ -506,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="THRESHOLD",
         help="also run auto with First Block Cache at this threshold on a transformer model "
-        "(--model sd3; lossy; e.g. 0.1)",
+        "(--model sd3, flux or hidream; lossy; e.g. 0.1)",
     )
     parser.add_argument(
         "--out",
@@ -626,8 +640,10 @@ def run(args) -> int:
     embeds = prompt_embeddings(pipe, dm.dtype, dm.device, args.prompt)
     threads = _runtime.get_num_threads()
     dtype = str(dm.dtype).replace("torch.", "")
+    # Flux's guidance is distilled into the model: one batch, no classifier-free pair.
+    batch = "batch 1 (distilled guidance)" if pipeline_family(pipe) == "flux" else "batch 2 (CFG)"
     print(
-        f"npu_attn demo: {source}; {args.size}x{args.size}, {args.steps} steps, batch 2 (CFG); "
+        f"npu_attn demo: {source}; {args.size}x{args.size}, {args.steps} steps, {batch}; "
         f"device {dm.device}, dtype {dtype}, {threads} threads, "
         f"kernel {_runtime.active_isa(dtype)}"
     )

@@ -1,9 +1,11 @@
 """The diffusers pipelines npu_attn's tools run, built from their published configurations
 with random weights (nothing is downloaded), or loaded from a local diffusers folder: one set of
-builders shared by ``demo``, ``bench --e2e`` and ``bench --parallel``.
+builders shared by ``demo``, ``bench --e2e``, ``bench --parallel`` and the web UI (``ui``).
 
-ARCHITECTURES names every built-in architecture: tiny ones for tests and quick runs, and the
-full-size SD-1.5, SD-2.1, SDXL and SD3-medium.
+ARCHITECTURES names every built-in architecture: a tiny one of each family (FAMILIES: SD-1.5/2.1,
+SDXL, SD3, Flux, HiDream-I1) for tests and quick runs, the full-size SD-1.5, SD-2.1, SDXL and
+SD3-medium, and Flux and HiDream-I1 at full width but reduced depth. The last part estimates
+what a generation needs before anything is built: parameters, sizes a model takes, memory.
 """
 
 from __future__ import annotations
@@ -134,12 +136,124 @@ SD3_MODELS = {
         (32, 64),
     ),
 }
-# SD3's text sequence: CLIP's 77 tokens, then T5's 256 (its pipelines' max_sequence_length).
+# Flux's transformer (double-stream then single-stream blocks, rotary positions, packed 2x2
+# latents). Fields: (FluxTransformer2DModel config, default size, T5 text width, VAE channels).
+FLUX_MODELS = {
+    # black-forest-labs/FLUX.1-dev's transformer/config.json at full width with 2 of its 19
+    # double-stream and 4 of its 38 single-stream blocks: the whole model (12B parameters) does
+    # not fit in 24 GiB, and a step's attention shapes are the full model's.
+    "flux": (
+        {
+            "patch_size": 1,
+            "in_channels": 64,
+            "num_layers": 2,
+            "num_single_layers": 4,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 4096,
+            "pooled_projection_dim": 768,
+            "guidance_embeds": True,
+            "axes_dims_rope": (16, 56, 56),
+        },
+        512,
+        4096,
+        (128, 256, 512, 512),
+    ),
+    # the same blocks with the widths of diffusers' own Flux tests
+    "tiny-flux": (
+        {
+            "patch_size": 1,
+            "in_channels": 4,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": 32,
+            "pooled_projection_dim": 32,
+            "guidance_embeds": True,
+            "axes_dims_rope": (4, 4, 8),
+        },
+        64,
+        32,
+        (32, 64),
+    ),
+}
+# HiDream-I1 (the base of HiDream-E1): double- and single-stream blocks with mixture-of-experts
+# feed-forwards, text from T5 and from several Llama layers. Fields: (HiDreamImageTransformer2DModel
+# config, default size, T5 text width, VAE channels).
+HIDREAM_MODELS = {
+    # HiDream-ai/HiDream-I1-Full's transformer/config.json at full width with 2 of its 16
+    # double-stream and 4 of its 32 single-stream blocks (the whole model is 17B parameters);
+    # each block reads its own Llama layer.
+    "hidream": (
+        {
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 16,
+            "num_layers": 2,
+            "num_single_layers": 4,
+            "attention_head_dim": 128,
+            "num_attention_heads": 20,
+            "caption_channels": (4096, 4096),
+            "text_emb_dim": 2048,
+            "num_routed_experts": 4,
+            "num_activated_experts": 2,
+            "axes_dims_rope": (64, 32, 32),
+            "max_resolution": (128, 128),
+            "llama_layers": tuple(range(6)),
+        },
+        512,
+        4096,
+        (128, 256, 512, 512),
+    ),
+    "tiny-hidream": (
+        {
+            "patch_size": 2,
+            "in_channels": 4,
+            "out_channels": 4,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 8,
+            "num_attention_heads": 4,
+            "caption_channels": (8, 4),
+            "text_emb_dim": 8,
+            "num_routed_experts": 2,
+            "num_activated_experts": 2,
+            "axes_dims_rope": (4, 2, 2),
+            "max_resolution": (32, 32),
+            "llama_layers": (0, 1),
+        },
+        64,
+        8,
+        (32, 64),
+    ),
+}
+# Text sequence lengths of the transformer families (their pipelines' max_sequence_length):
+# SD3 has CLIP's 77 tokens, then T5's 256; Flux T5's 512; HiDream 128 of T5 and of Llama each.
 SD3_TEXT_TOKENS = 77 + 256
-# The UNet architectures (``bench --e2e`` builds their UNets alone) and every architecture
-# build_pipeline knows.
+FLUX_TEXT_TOKENS = 512
+HIDREAM_TEXT_TOKENS = 128
+# Flux's and HiDream's VAE (FLUX.1-dev's vae/config.json): 16 latent channels, no quant convs.
+FLUX_VAE_CONFIG = {
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+# The UNet architectures (``bench --e2e`` builds their UNets alone), the transformer ones, and
+# every architecture build_pipeline knows.
 UNET_ARCHITECTURES = {**MODELS, **SDXL_MODELS}
-ARCHITECTURES = {**UNET_ARCHITECTURES, **SD3_MODELS}
+TRANSFORMER_ARCHITECTURES = {**SD3_MODELS, **FLUX_MODELS, **HIDREAM_MODELS}
+ARCHITECTURES = {**UNET_ARCHITECTURES, **TRANSFORMER_ARCHITECTURES}
+# Each architecture's model family: what decides its pipeline, prompt embeddings, the
+# accelerations that apply and the sizes it takes.
+FAMILIES = {
+    **{name: "sd" for name in MODELS},
+    **{name: "sdxl" for name in SDXL_MODELS},
+    **{name: "sd3" for name in SD3_MODELS},
+    **{name: "flux" for name in FLUX_MODELS},
+    **{name: "hidream" for name in HIDREAM_MODELS},
+}
 
 
 def pooled_text_dim(unet_config) -> Optional[int]:
@@ -183,32 +297,55 @@ def build_vae(model: str, latent_channels: int, **config):
     )
 
 
+# The denoiser class of each family (diffusers' names).
+DENOISER_CLASSES = {
+    "sd": "UNet2DConditionModel",
+    "sdxl": "UNet2DConditionModel",
+    "sd3": "SD3Transformer2DModel",
+    "flux": "FluxTransformer2DModel",
+    "hidream": "HiDreamImageTransformer2DModel",
+}
+
+
+def build_denoiser(model: str):
+    """The architecture's UNet or transformer, random weights (seed 0)."""
+    import diffusers
+    import torch
+
+    torch.manual_seed(0)
+    return getattr(diffusers, DENOISER_CLASSES[FAMILIES[model]])(**ARCHITECTURES[model][0])
+
+
+def family_vae(model: str):
+    """The architecture's VAE with its family's latent channels, scale and shift."""
+    family, config = FAMILIES[model], ARCHITECTURES[model][0]
+    if family == "sdxl":  # its own latent scale, decoded in float32 when run in float16
+        return build_vae(model, latent_channels=4, scaling_factor=0.13025, force_upcast=True)
+    if family == "sd3":  # stable-diffusion-3-medium-diffusers' vae/config.json
+        return build_vae(
+            model,
+            latent_channels=config["in_channels"],
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    if family == "flux":  # the transformer takes 2x2 patches of latents packed in its channels
+        return build_vae(model, latent_channels=config["in_channels"] // 4, **FLUX_VAE_CONFIG)
+    if family == "hidream":
+        return build_vae(model, latent_channels=config["in_channels"], **FLUX_VAE_CONFIG)
+    return build_vae(model, latent_channels=4)
+
+
 def build_sd3_pipeline(model: str):
     """StableDiffusion3Pipeline with the named SD3_MODELS architecture, SD3's VAE layout (its
     latent scale and shift, no quant convs) and flow-matching scheduler, random weights."""
-    import torch
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    overrides = SD3_MODELS[model][0]
-    torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(**overrides)
-    vae = build_vae(
-        model,
-        latent_channels=overrides["in_channels"],
-        # stable-diffusion-3-medium-diffusers' vae/config.json
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
     return StableDiffusion3Pipeline(
-        transformer=transformer,
+        transformer=build_denoiser(model),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # SD3's scheduler config
-        vae=vae,
+        vae=family_vae(model),
         text_encoder=None,
         tokenizer=None,
         text_encoder_2=None,
@@ -218,31 +355,95 @@ def build_sd3_pipeline(model: str):
     )
 
 
+def build_flux_pipeline(model: str):
+    """FluxPipeline with the named FLUX_MODELS architecture, Flux's VAE and its flow-matching
+    scheduler with resolution-dependent shift, random weights."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler config
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=4096,
+        max_shift=1.15,
+        shift=3.0,
+        use_dynamic_shifting=True,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=family_vae(model),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=build_denoiser(model),
+    )
+
+
+def build_hidream_pipeline(model: str):
+    """HiDreamImagePipeline with the named HIDREAM_MODELS architecture, Flux's VAE (as
+    HiDream-I1's) and a flow-matching scheduler, random weights."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline
+
+    pipe = HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=family_vae(model),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        text_encoder_4=None,
+        tokenizer_4=None,
+        transformer=build_denoiser(model),
+    )
+    fit_size(pipe, ARCHITECTURES[model][1])
+    return pipe
+
+
+def fit_size(pipe, size: int) -> None:
+    """Prepares `pipe` to generate `size` x `size` images. HiDream's pipeline rescales every
+    request to the area of its default sample size, so that size is set to the request's;
+    the other pipelines take the size as given."""
+    if pipeline_family(pipe) == "hidream":
+        pipe.default_sample_size = size // pipe.vae_scale_factor
+
+
 def build_pipeline(model: str = "sd15"):
+    """A pipeline with the named architecture (ARCHITECTURES) and random weights, its models
+    in inference mode as from_pretrained leaves them (HiDream's mixture-of-experts routing and
+    output layout differ in training mode). The text encoders are omitted: prompts are given
+    as embeddings (prompt_embeddings)."""
+    if model not in ARCHITECTURES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
+    pipe = build_architecture(model)
+    for component in pipe.components.values():
+        if hasattr(component, "eval"):
+            component.eval()
+    return pipe
+
+
+def build_architecture(model: str):
     """A pipeline with the named architecture (MODELS: StableDiffusionPipeline with DDIM;
     SDXL_MODELS: StableDiffusionXLPipeline with SDXL's Euler scheduler; SD3_MODELS:
-    StableDiffusion3Pipeline) and random weights (no download). The text encoders are omitted:
-    prompts are given as embeddings."""
-    import torch
+    StableDiffusion3Pipeline; FLUX_MODELS: FluxPipeline; HIDREAM_MODELS: HiDreamImagePipeline)
+    with random weights (no download) and no text encoders."""
     from diffusers import (
         DDIMScheduler,
         EulerDiscreteScheduler,
         StableDiffusionPipeline,
         StableDiffusionXLPipeline,
-        UNet2DConditionModel,
     )
 
-    if model not in ARCHITECTURES:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
-    if model in SD3_MODELS:
-        return build_sd3_pipeline(model)
-    overrides = ARCHITECTURES[model][0]
+    transformer_builders = {
+        "sd3": build_sd3_pipeline,
+        "flux": build_flux_pipeline,
+        "hidream": build_hidream_pipeline,
+    }
+    if FAMILIES[model] in transformer_builders:
+        return transformer_builders[FAMILIES[model]](model)
     sdxl = model in SDXL_MODELS
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**overrides)
-    # SDXL's VAE config: its own latent scale, decoded in float32 when run in float16
-    sdxl_vae = {"scaling_factor": 0.13025, "force_upcast": True} if sdxl else {}
-    vae = build_vae(model, latent_channels=4, **sdxl_vae)
+    unet, vae = build_denoiser(model), family_vae(model)
     if sdxl:
         scheduler = EulerDiscreteScheduler(  # SDXL base 1.0's scheduler config
             beta_start=0.00085,
@@ -304,44 +505,93 @@ def load_pipeline(directory: Path):
         for name, spec in index.items()
         if not name.startswith("_") and isinstance(spec, list) and not (directory / name).exists()
     }
-    return DiffusionPipeline.from_pretrained(str(directory), local_files_only=True, **absent)
+    # Code shipped in the folder (custom pipelines or models) is never run.
+    return DiffusionPipeline.from_pretrained(
+        str(directory), local_files_only=True, trust_remote_code=False, **absent
+    )
+
+
+def pipeline_family(pipe) -> Optional[str]:
+    """The model family of a pipeline, from its denoiser: "sd" (SD-1.5/2.1-style UNet), "sdxl",
+    "sd3", "flux", "hidream"; None for any other model."""
+    model = denoiser(pipe)
+    if getattr(pipe, "unet", None) is not None:
+        return "sdxl" if pooled_text_dim(model.config) is not None else "sd"
+    by_class = {
+        "SD3Transformer2DModel": "sd3",
+        "FluxTransformer2DModel": "flux",
+        "HiDreamImageTransformer2DModel": "hidream",
+    }
+    return by_class.get(type(model).__name__)
+
+
+def random_embedding_shapes(pipe) -> dict[str, tuple[int, ...]]:
+    """The prompt embedding keyword arguments of the pipeline's family and their shapes (for
+    one prompt; each ``negative_`` twin has the same shape)."""
+    config = denoiser(pipe).config
+    family = pipeline_family(pipe)
+    if family == "sd3":  # joint text tokens (CLIP + T5) and the pooled CLIP embedding
+        text = (1, SD3_TEXT_TOKENS, config.joint_attention_dim)
+        return {"prompt_embeds": text, "pooled_prompt_embeds": (1, config.pooled_projection_dim)}
+    if family == "flux":  # T5's tokens and CLIP's pooled embedding
+        text = (1, FLUX_TEXT_TOKENS, config.joint_attention_dim)
+        return {"prompt_embeds": text, "pooled_prompt_embeds": (1, config.pooled_projection_dim)}
+    if family == "hidream":  # T5's tokens, one hidden state per Llama layer read, pooled CLIPs
+        t5_width, llama_width = config.caption_channels
+        llama_layers = max(config.llama_layers) + 1
+        return {
+            "prompt_embeds_t5": (1, HIDREAM_TEXT_TOKENS, t5_width),
+            "prompt_embeds_llama3": (llama_layers, 1, HIDREAM_TEXT_TOKENS, llama_width),
+            "pooled_prompt_embeds": (1, config.text_emb_dim),
+        }
+    shapes = {"prompt_embeds": (1, 77, config.cross_attention_dim)}
+    pooled = pooled_text_dim(config)
+    if pooled is not None:  # SDXL
+        shapes["pooled_prompt_embeds"] = (1, pooled)
+    return shapes
+
+
+def negative_name(name: str) -> str:
+    """``prompt_embeds`` -> ``negative_prompt_embeds`` (diffusers' naming of each family)."""
+    return f"negative_{name}"
 
 
 def prompt_embeddings(pipe, dtype, device, prompt: Optional[str] = None) -> dict[str, Any]:
-    """The prompt as the pipeline's embedding keyword arguments: ``prompt_embeds`` and
-    ``negative_prompt_embeds``, plus the pooled pair when the model takes them (SDXL, SD3).
-    Encoded with the pipeline's text encoders when it has them and a prompt is given, else
-    random (seeded) embeddings of the model's widths."""
+    """The prompt as the pipeline's keyword arguments: its family's prompt embeddings and their
+    ``negative_`` twins (random_embedding_shapes). Encoded with the pipeline's text encoders
+    when it has them and a prompt is given (Flux and HiDream encode the prompt themselves),
+    else random (seeded) embeddings of the model's widths."""
     import torch
 
-    config = denoiser(pipe).config
-    sd3 = getattr(pipe, "unet", None) is None
-    if sd3:  # joint text tokens (CLIP + T5) and the pooled CLIP embedding
-        tokens, width = SD3_TEXT_TOKENS, config.joint_attention_dim
-        pooled = config.pooled_projection_dim
-    else:
-        tokens, width, pooled = 77, config.cross_attention_dim, pooled_text_dim(config)
-    names = ["prompt_embeds", "negative_prompt_embeds"]
-    if pooled is not None:
-        names += ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"]
+    family = pipeline_family(pipe)
     if prompt is not None and getattr(pipe, "text_encoder", None) is not None:
-        # SD3 has a prompt per text encoder; None repeats the first
-        per_encoder = {"prompt_2": None, "prompt_3": None} if sd3 else {}
-        encoded = pipe.encode_prompt(
-            prompt=prompt,
-            **per_encoder,
-            device=device,
-            num_images_per_prompt=1,
-            do_classifier_free_guidance=True,
-            negative_prompt="",
-        )
-        return dict(zip(names, encoded))
+        if family in ("flux", "hidream"):
+            return {"prompt": prompt, "negative_prompt": ""}
+        return encoded_prompt(pipe, family, device, prompt)
     g = torch.Generator().manual_seed(1234)
-    shapes = [(1, tokens, width)] * 2 + [(1, pooled)] * (len(names) - 2)
-    return {
-        name: torch.randn(*shape, generator=g).to(device, dtype)
-        for name, shape in zip(names, shapes)
-    }
+    embeds = {}
+    for name, shape in random_embedding_shapes(pipe).items():
+        for key in (name, negative_name(name)):
+            embeds[key] = torch.randn(*shape, generator=g).to(device, dtype)
+    return embeds
+
+
+def encoded_prompt(pipe, family: Optional[str], device, prompt: str) -> dict[str, Any]:
+    """SD, SDXL and SD3 prompts through the pipeline's own encode_prompt, as embeddings."""
+    names = ["prompt_embeds", "negative_prompt_embeds"]
+    if family in ("sdxl", "sd3"):
+        names += ["pooled_prompt_embeds", "negative_pooled_prompt_embeds"]
+    # SD3 has a prompt per text encoder; None repeats the first
+    per_encoder = {"prompt_2": None, "prompt_3": None} if family == "sd3" else {}
+    encoded = pipe.encode_prompt(
+        prompt=prompt,
+        **per_encoder,
+        device=device,
+        num_images_per_prompt=1,
+        do_classifier_free_guidance=True,
+        negative_prompt="",
+    )
+    return dict(zip(names, encoded))
 
 
 def relative_error(values, reference) -> float:
@@ -361,3 +611,97 @@ def psnr_db(image, reference) -> float:
     (peak 1); infinite when they are equal."""
     mse = float(((image.double() - reference.double()) ** 2).mean())
     return math.inf if mse == 0 else 10.0 * math.log10(1.0 / mse)
+
+
+# --------------------------------------------------------------------------- sizes and memory
+def size_limits(family: Optional[str], config, vae_scale: int) -> tuple[int, int, Optional[int]]:
+    """(multiple, smallest, largest or None) image size in pixels a model takes: latents are
+    image / vae_scale pixels; a UNet halves them once per extra level, a transformer cuts them
+    into patches (Flux packs 2x2); SD3's positions and HiDream's sequence have a maximum.
+    (Not every UNet size fits the levels exactly: diffusers forwards the upsampling sizes.)"""
+    get = config.get
+    if family in ("sd", "sdxl") or family is None:
+        levels = len(get("block_out_channels", (0,)))
+        # Stable Diffusion's pipelines take multiples of 8 pixels only, whatever their VAE.
+        multiple = max(8, vae_scale)
+        return multiple, max(multiple, vae_scale * 2 ** (levels - 1)), None
+    patch = 2 if family == "flux" else get("patch_size", 1)
+    multiple = vae_scale * patch
+    largest = None
+    if family == "sd3" and get("pos_embed_max_size"):
+        largest = get("pos_embed_max_size") * multiple
+    if family == "hidream":
+        largest = get("max_resolution")[0] * vae_scale
+    return multiple, multiple, largest
+
+
+def size_problem(family: Optional[str], config, vae_scale: int, size: int) -> Optional[str]:
+    """Why the model cannot generate `size` x `size` images (size_limits), or None."""
+    multiple, smallest, largest = size_limits(family, config, vae_scale)
+    if size < smallest or size % multiple:
+        return f"size {size} px: this model takes multiples of {multiple} px from {smallest} px"
+    if largest is not None and size > largest:
+        return f"size {size} px: this model takes at most {largest} px"
+    return None
+
+
+def architecture_summary(model: str) -> tuple[int, Any]:
+    """(parameters of the denoiser and VAE, the denoiser's full config) of the architecture,
+    from models built on the meta device (no memory, no weights); cached."""
+    if model not in _SUMMARIES:
+        import torch
+
+        with torch.device("meta"):
+            models = (build_denoiser(model), family_vae(model))
+        count = sum(p.numel() for m in models for p in m.parameters())
+        _SUMMARIES[model] = (count, models[0].config)
+    return _SUMMARIES[model]
+
+
+def parameter_count(model: str) -> int:
+    """Parameters of the architecture's denoiser and VAE."""
+    return architecture_summary(model)[0]
+
+
+_SUMMARIES: dict[str, tuple[int, Any]] = {}
+# Hidden-state-sized tensors alive at once inside a block (residual, norm, q, k, v, attention
+# output, the MLP's 4x-wide hidden...): a rough, generous count for the memory estimate.
+LIVE_HIDDEN_COPIES = 16
+
+
+def attention_geometry(family: Optional[str], config, latent: int) -> tuple[int, int, int]:
+    """(tokens, width, heads) of the model's largest self-attention at `latent` x `latent`
+    latent pixels, text tokens included for the joint-attention transformers."""
+    get = config.get
+    if family in ("sd", "sdxl") or family is None:
+        down = list(get("down_block_types", ("CrossAttnDownBlock2D",)))
+        level = next((i for i, t in enumerate(down) if "CrossAttn" in t), 0)
+        width = get("block_out_channels", (320,))[level]
+        return (latent // 2**level) ** 2, width, max(1, width // 64)
+    text = {"sd3": SD3_TEXT_TOKENS, "flux": FLUX_TEXT_TOKENS, "hidream": 2 * HIDREAM_TEXT_TOKENS}
+    patch = 2 if family == "flux" else get("patch_size", 1)
+    heads = get("num_attention_heads")
+    tokens = (latent // patch) ** 2 + text[family]
+    return tokens, heads * get("attention_head_dim"), heads
+
+
+def step_activation_bytes(family, config, vae_channels, vae_scale, size, element_bytes, images):
+    """A rough upper bound of one step's activations: the largest attention's hidden states
+    (LIVE_HIDDEN_COPIES of them) and score matrix, for the guidance batch (2 per image; Flux's
+    guidance is distilled, 1), plus the VAE decoder's full-resolution feature maps."""
+    batch = images * (1 if family == "flux" else 2)
+    tokens, width, heads = attention_geometry(family, config, size // vae_scale)
+    hidden = batch * tokens * width * LIVE_HIDDEN_COPIES
+    scores = batch * heads * tokens * tokens
+    decoder = images * vae_channels[0] * size * size * 4
+    return (hidden + scores + decoder) * element_bytes
+
+
+def estimated_memory_bytes(model: str, size: int, element_bytes: int, images: int = 1) -> int:
+    """The memory a generation with the built-in architecture needs, estimated before anything
+    is built: parameters x bytes per element plus one step's activations at `size`."""
+    config, vae_channels = architecture_summary(model)[1], ARCHITECTURES[model][3]
+    activations = step_activation_bytes(
+        FAMILIES[model], config, vae_channels, vae_scale_factor(model), size, element_bytes, images
+    )
+    return parameter_count(model) * element_bytes + activations
