@@ -168,9 +168,10 @@ def test_a_dead_peer_makes_the_other_rank_raise_not_hang(tmp_path):
     assert results[0]["a_dead_peer_raises_instead_of_hanging"] == "ok", results["logs"]
 
 
-def test_cfg_parallel_demo_under_torchrun(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-hidream"])
+def test_cfg_parallel_demo_under_torchrun(tmp_path, model):
     """The documented command: ``torchrun --nproc-per-node 2 -m npu_attn demo --parallel cfg``
-    (tiny model, two steps)."""
+    (a tiny UNet and a tiny transformer family that takes CFG, two steps)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = (
         [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
@@ -190,7 +191,7 @@ def test_cfg_parallel_demo_under_torchrun(tmp_path):
         "--parallel",
         "cfg",
         "--model",
-        "tiny",
+        model,
         "--steps",
         "2",
         "--out",

@@ -330,6 +330,24 @@ def test_accelerations_apply_for_the_generation_only(model, accelerations):
     assert acceleration_of(studio.pipeline(request)) == {}  # removed afterwards
 
 
+@pytest.mark.parametrize("mode", ["compile", "freeze"])
+def test_graph_mode_applies_for_the_generation_only(mode):
+    """compile / compile + freeze from the page: the denoiser runs compiled (torch.compile,
+    frozen weights for "freeze") during the generation, and eager again afterwards."""
+    from npu_attn.graph.mode import compiled_components
+
+    studio = Studio()
+    request = Request(model="tiny", steps=2, strategy="tiled", accelerations=(mode,))
+    during = []
+    (image,) = studio.generate(
+        request, lambda _: during.append(compiled_components(studio.pipeline(request)))
+    )
+    assert image.steps_done == 2 and image.seconds_per_step > 0
+    assert during and all("unet" in compiled for compiled in during), during
+    assert during[-1]["unet"] is not None  # called: its first call was timed
+    assert compiled_components(studio.pipeline(request)) == {}  # eager afterwards
+
+
 def test_flux_and_hidream_are_full_width_at_reduced_depth():
     """Their published widths (built on the meta device: nothing allocated), with 2 + 4 of
     their blocks; the model menu labels them with parameters and estimated memory."""
