@@ -348,6 +348,14 @@ def test_graph_mode_applies_for_the_generation_only(mode):
     assert compiled_components(studio.pipeline(request)) == {}  # eager afterwards
 
 
+@pytest.mark.parametrize("model", ["sd15", "flux", "hidream"])
+def test_full_width_models_generate_one_step(model):
+    """The page's full-size SD-1.5 and the full-width, reduced-depth Flux and HiDream-I1 (random
+    weights, 1.4-2.3B parameters) really generate, at a small size to stay quick."""
+    (image,) = Studio().generate(Request(model=model, steps=1, size=128, strategy="tiled"))
+    assert image.image.size == (128, 128) and image.steps_done == 1
+
+
 def test_flux_and_hidream_are_full_width_at_reduced_depth():
     """Their published widths (built on the meta device: nothing allocated), with 2 + 4 of
     their blocks; the model menu labels them with parameters and estimated memory."""
