@@ -9,8 +9,11 @@ set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
 set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
 # -E tells the tests they run emulated (a few observe the OS, which qemu-user only imitates).
+# LD_LIBRARY_PATH keeps the C library the cross toolchain's, matching its dynamic loader: where
+# Debian's own libc6:arm64 is installed too (multiarch, /lib/aarch64-linux-gnu), the loader
+# would otherwise pick that one, and a loader and C library from different builds hang.
 set(CMAKE_CROSSCOMPILING_EMULATOR
-    qemu-aarch64;-L;/usr/aarch64-linux-gnu;-E;NPU_ATTN_TEST_EMULATOR=qemu-user)
+    qemu-aarch64;-L;/usr/aarch64-linux-gnu;-E;NPU_ATTN_TEST_EMULATOR=qemu-user;-E;LD_LIBRARY_PATH=/usr/aarch64-linux-gnu/lib)
 
 # Libraries come from the cross sysroot only; the header-only packages (Eigen, DLPack) and
 # GoogleTest's sources (built for the target, tests/cpp/CMakeLists.txt) are found on the host.
