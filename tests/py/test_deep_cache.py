@@ -177,3 +177,31 @@ def test_transformers_get_diffusers_own_cache_hooks():
     assert flux.transformer._cache_config is None
     with pytest.raises(ModelFamilyError, match="does not support diffusers' cache hooks"):
         apply_deep_cache(sd15_pipeline(), FirstBlockCacheConfig(threshold=0.1))
+
+
+def test_under_torch_compile_steps_do_not_recompile():
+    """DeepCache inside npu_attn.compile: the step bookkeeping runs outside the graph, so the
+    compiled UNet specialises only on skipping or not (and the first step's empty cache), not
+    on each timestep's value (which recompiled at every step until dynamo's limit of 8)."""
+    import torch._dynamo.testing
+
+    from npu_attn import accelerate
+    from npu_attn.graph.mode import compile as compile_pipeline
+    from npu_attn.tools.pipelines import build_pipeline, prompt_embeddings
+
+    torch._dynamo.reset()
+    pipe = build_pipeline("tiny")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, deep_cache=3)
+    frames = torch._dynamo.testing.CompileCounter()  # counts compiled frames, runs them eagerly
+    compile_pipeline(pipe, "tiled", backend=frames, show_progress=False)
+    with torch.no_grad():
+        pipe(
+            **prompt_embeddings(pipe, torch.float32, "cpu"),
+            num_inference_steps=12,
+            height=64,
+            width=64,
+            output_type="pt",
+        )
+    assert 1 <= frames.frame_count <= 4, frames.frame_count
+    torch._dynamo.reset()

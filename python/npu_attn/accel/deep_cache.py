@@ -227,6 +227,11 @@ class _BeginCall:
     def __init__(self, state: _State) -> None:
         self.state = state
 
+    # Step bookkeeping runs outside torch.compile's graphs: traced, its float(timestep) made
+    # dynamo specialise the code after it on every timestep's value, recompiling at each step
+    # until its recompile limit (8). Run eagerly, the compiled UNet specialises only on
+    # whether a step skips (and on the cache being empty at the first step).
+    @torch.compiler.disable
     def __call__(self, _unet, args, kwargs):
         timestep = args[1] if len(args) > 1 else kwargs["timestep"]
         self.state.begin_call(timestep, args[0] if args else kwargs["sample"])
