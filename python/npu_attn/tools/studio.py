@@ -184,9 +184,8 @@ class Studio:
         )
         if problem is not None:
             raise InputError(f"{request.model}: {problem}")
-        needed = estimated_memory_bytes(
-            request.model, size, ELEMENT_BYTES[request.dtype], request.images
-        )
+        # Images are generated one pipeline call at a time: one image's activations at a time.
+        needed = estimated_memory_bytes(request.model, size, ELEMENT_BYTES[request.dtype], 1)
         self._check_memory(needed, request.model)
 
     @staticmethod
@@ -250,7 +249,7 @@ class Studio:
             raise InputError(
                 f"{what} needs about {needed / 2**30:.1f} GiB ({estimate}) but "
                 f"{available / 2**30:.1f} GiB is available: choose a smaller model, size or "
-                "dtype, or fewer images"
+                "dtype"
             )
 
     def available_memory_bytes(self, loaded_counts: bool = True) -> Optional[int]:
@@ -326,7 +325,7 @@ class Studio:
             pipe.vae_scale_factor,
             size,
             ELEMENT_BYTES[request.dtype],
-            request.images,
+            1,  # one image per pipeline call
         )
         self._check_memory(
             activations, f"{request.folder} at {size}px", "one step's activations", False
@@ -398,7 +397,8 @@ class Studio:
             seconds_per_step=seconds / max(1, progress.steps_done),
             attention_share=share,
             steps_done=progress.steps_done,
-            cancelled=self._cancel.is_set(),
+            # a Cancel arriving after the last step (during the decode) cancelled nothing here
+            cancelled=self._cancel.is_set() and progress.steps_done < request.steps,
         )
 
     # ------------------------------------------------------------------ comparing

@@ -144,7 +144,8 @@ def build_app(studio: Studio, default_model: str = "tiny"):
     import gradio as gr
 
     page = SimpleNamespace()
-    with gr.Blocks(title=TITLE) as app:
+    # delete_cache: the compare tab's charts and the images are removed after an hour.
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600)) as app:
         gr.Markdown(
             f"## {TITLE}\nBuilt-in models have **random weights**: images are noise, timings "
             "and attention work are the real ones. Device and memory are below."
@@ -266,12 +267,14 @@ def connect(gr, page, studio: Studio) -> None:
         page.model,
         [*page.accelerations, page.size, page.compare_size, page.compare_configs]
         + [page.folder, page.prompt],
+        queue=False,  # cheap, and never refused because generations fill the queue
         api_visibility="private",
     )
     page.dtype.change(
         lambda d: gr.update(choices=model_choices(d)),
         page.dtype,
         page.model,
+        queue=False,
         api_visibility="private",
     )
     gr.Timer(DEVICE_REFRESH_SECONDS).tick(
@@ -415,6 +418,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             server_name=args.host,
             server_port=args.port,
             show_error=True,
+            share=False,  # never a public tunnel, whatever GRADIO_SHARE says
             ssr_mode=False,
             footer_links=["api"],
         )
