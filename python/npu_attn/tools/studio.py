@@ -161,6 +161,9 @@ class Studio:
         from ..device import DeviceManager
 
         self.dm = DeviceManager(device)
+        # Each dtype's smoke test runs once: the device panel refreshes every few seconds,
+        # also while generating, and every request is checked against this list.
+        self.working_dtypes = self.dm.working_dtypes()
         self.allow_local_models = allow_local_models
         self._loaded: Optional[tuple[tuple[str, str], Any]] = None  # ((model, dtype), pipe)
         self._cancel = threading.Event()
@@ -202,8 +205,8 @@ class Studio:
     def _check_choices(self, request: Request) -> None:
         from ..attention import strategies
 
-        if request.dtype not in self.dm.working_dtypes():
-            working = ", ".join(self.dm.working_dtypes())
+        if request.dtype not in self.working_dtypes:
+            working = ", ".join(self.working_dtypes)
             raise InputError(f"dtype {request.dtype} does not work on {self.dm.device}: {working}")
         if request.strategy not in strategies.STRATEGIES:
             raise InputError(f"unknown attention strategy {request.strategy!r}")
@@ -491,16 +494,19 @@ def configured(pipe, request: Request) -> Iterator[list]:
         reset_acceleration(pipe)
 
 
-def device_report(dm) -> list[tuple[str, str]]:
+def device_report(dm, working_dtypes: Optional[list[str]] = None) -> list[tuple[str, str]]:
     """The device panel's rows: the DeviceManager's choice, memory in use, threads, the
-    kernel variant per dtype and each attention strategy's availability."""
+    kernel variant per dtype and each attention strategy's availability. `working_dtypes`:
+    the dtypes already found to work (None: smoke-test them now)."""
     from ..runtime import controls
 
+    if working_dtypes is None:
+        working_dtypes = dm.working_dtypes()
     info = dm.info()
     rows = [
         ("device", info["device"]),
         ("recommended dtype", info["dtype"]),
-        ("working dtypes", ", ".join(dm.working_dtypes())),
+        ("working dtypes", ", ".join(working_dtypes)),
         ("threads", str(info["threads"])),
         ("CPU", controls.cpu_model()),
         ("memory", dm.memory_summary()),

@@ -85,7 +85,9 @@ def timing_markdown(images: list[GeneratedImage], total: int) -> str:
 
 
 def device_markdown(studio: Studio) -> str:
-    rows = "\n".join(f"| {name} | {value} |" for name, value in device_report(studio.dm))
+    rows = "\n".join(
+        f"| {name} | {value} |" for name, value in device_report(studio.dm, studio.working_dtypes)
+    )
     return "| what | now |\n|---|---|\n" + rows
 
 
@@ -172,7 +174,7 @@ def model_row(gr, page, studio: Studio, default_model: str) -> None:
             model_choices(recommended), value=default_model, label="model", scale=3
         )
         page.dtype = gr.Radio(
-            studio.dm.working_dtypes(),
+            studio.working_dtypes,
             value=recommended,
             label=f"dtype (recommended: {recommended})",
         )
