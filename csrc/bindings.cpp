@@ -181,6 +181,7 @@ py::list variant_table() {
     row["runnable"] = v.runs_on(npu_attn::cpu_features());
     row["forward_kernel"] = kernels;
     row["backward_from"] = v.backward_from;
+    row["int8_kernel"] = v.int8_kernel;
     rows.append(row);
   }
   return rows;
@@ -206,6 +207,18 @@ void forward(py::handle query, py::handle key, py::handle value, py::handle out,
   } else {
     npu_attn::run_attention_forward(params);  // the variant active for its dtype and shape
   }
+}
+
+// The lossy int8 forward (attention_int8_impl.h): the same arguments as forward().
+void forward_int8(py::handle query, py::handle key, py::handle value, py::handle out,
+                  py::object attn_mask, py::object lse, std::optional<double> scale, bool is_causal,
+                  bool enable_gqa, std::optional<int> num_threads, std::optional<std::string> isa) {
+  const auto args = collect_arguments(query, key, value, out, attn_mask, lse, scale, is_causal,
+                                      enable_gqa, num_threads);
+  const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
+  const npu_attn::Isa variant = isa ? isa_from_name(*isa) : npu_attn::active_int8_isa();
+  py::gil_scoped_release no_gil;
+  npu_attn::run_attention_int8(params, variant);
 }
 
 void backward(py::handle query, py::handle key, py::handle value, py::handle out, py::handle lse,
@@ -268,6 +281,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
         "Attention forward into `out` (and `lse`). Inputs: DLPack capsules or buffers.");
 
+  m.def("forward_int8", &forward_int8, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("out"), py::arg("attn_mask") = py::none(), py::arg("lse") = py::none(),
+        py::arg("scale") = py::none(), py::arg("is_causal") = false, py::arg("enable_gqa") = false,
+        py::arg("num_threads") = py::none(), py::arg("isa") = py::none(),
+        "Lossy int8 attention forward (Q K^T on 8-bit codes) into `out`; forward()'s arguments.");
+  m.def("int8_isa", [] { return std::string(npu_attn::isa_name(npu_attn::active_int8_isa())); });
+  m.def("default_int8_isa", [] {
+    return std::string(npu_attn::isa_name(npu_attn::default_int8_isa(npu_attn::cpu_features())));
+  });
+  m.def(
+      "set_int8_isa",
+      [](const std::string& name) { npu_attn::set_active_int8_isa(isa_from_name(name)); },
+      py::arg("name"), "Make `name` the variant of the int8 forward.");
   m.def("backward", &backward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("out"),
         py::arg("lse"), py::arg("grad_out"), py::arg("grad_query"), py::arg("grad_key"),
         py::arg("grad_value"), py::arg("attn_mask") = py::none(), py::arg("grad_lse") = py::none(),

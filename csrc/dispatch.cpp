@@ -49,7 +49,8 @@ std::vector<bool CpuFeatures::*> required_features(const std::vector<KernelVaria
 std::vector<KernelVariant> build_table() {
   std::vector<KernelVariant> rows;
 #define NPU_ATTN_VARIANT(name, arch, builds_on, flags, features, needs, forward_from,     \
-                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel) \
+                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel, \
+                         int8_from, int8_kernel)                                          \
   NPU_ATTN_IF_##arch(rows.push_back({Isa::name,                                           \
                                      #name,                                               \
                                      needs,                                               \
@@ -58,7 +59,9 @@ std::vector<KernelVariant> build_table() {
                                      kernels::attention_backward_##backward_from,         \
                                      #backward_from,                                      \
                                      kernels::peak_gflops_##peak_from,                    \
-                                     {fp32_kernel, bf16_kernel, fp16_kernel}});)
+                                     {fp32_kernel, bf16_kernel, fp16_kernel},             \
+                                     kernels::attention_int8_##int8_from,                 \
+                                     int8_kernel});)
 #include "kernels/variants.def"
 #undef NPU_ATTN_VARIANT
   return rows;
@@ -67,6 +70,9 @@ std::vector<KernelVariant> build_table() {
 // The variant active per (element type, shape class); -1 until first use.
 std::atomic<int> g_active[kElementTypeCount][kShapeClassCount] = {
     {-1, -1, -1}, {-1, -1, -1}, {-1, -1, -1}};
+// The int8 forward's variant (every element type and shape); -1 until first use.
+std::atomic<int> g_active_int8{-1};
+
 // The backward's variant per element type; -1: the forward's (g_active).
 std::atomic<int> g_active_backward[kElementTypeCount] = {-1, -1, -1};
 
@@ -273,6 +279,40 @@ void run_attention_forward(const AttentionParams& params) {
 
 void run_attention_forward(const AttentionParams& params, Isa isa) {
   runnable_variant(isa).forward(params);
+}
+
+Isa default_int8_isa(const CpuFeatures& features) {
+  const std::vector<Isa> runnable = runnable_isas(features);
+  const char* best = kernel_variant(runnable.back()).int8_kernel;
+  for (Isa isa : runnable)
+    if (std::strcmp(kernel_variant(isa).int8_kernel, best) == 0) return isa;
+  return runnable.back();
+}
+
+Isa active_int8_isa() {
+  int current = g_active_int8.load();
+  if (current < 0) {
+    const char* requested = std::getenv("NPU_ATTN_ISA");
+    const Isa chosen = requested != nullptr && *requested != '\0'
+                           ? select_isa_from_environment(ElementType::kFloat32)
+                           : default_int8_isa(cpu_features());
+    g_active_int8.compare_exchange_strong(current, static_cast<int>(chosen));
+    current = g_active_int8.load();
+  }
+  return static_cast<Isa>(current);
+}
+
+void set_active_int8_isa(Isa isa) {
+  runnable_variant(isa);  // throws if this CPU cannot run it
+  g_active_int8.store(static_cast<int>(isa));
+}
+
+void run_attention_int8(const AttentionParams& params) {
+  run_attention_int8(params, active_int8_isa());
+}
+
+void run_attention_int8(const AttentionParams& params, Isa isa) {
+  runnable_variant(isa).int8_forward(params);
 }
 
 void run_attention_backward(const AttentionBackwardParams& params) {

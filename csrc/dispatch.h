@@ -63,6 +63,10 @@ struct KernelVariant {
   // "amx_bf16 AMX tiles", "avx512 fp32 FMA"}: variants with equal entries run the same code for
   // that type, so measuring one of them measures all.
   const char* forward_kernel[kElementTypeCount];
+  // The lossy opt-in int8 forward (attention_int8_impl.h) and its kernel's name: rows with
+  // equal names run the same code.
+  void (*int8_forward)(const AttentionParams& params);
+  const char* int8_kernel;
 };
 
 const std::vector<KernelVariant>& kernel_variants();  // the compiled ones, in table order
@@ -113,6 +117,15 @@ void run_attention_forward(const AttentionParams& params);
 void run_attention_forward(const AttentionParams& params, Isa isa);
 void run_attention_backward(const AttentionBackwardParams& params);
 void run_attention_backward(const AttentionBackwardParams& params, Isa isa);
+
+// The int8 forward (lossy, opt-in: never chosen for run_attention_forward). One variant runs it
+// for every element type: NPU_ATTN_ISA if set, else the most specialised runnable row's int8
+// kernel until set_active_int8_isa (the Python package measures the candidates).
+Isa default_int8_isa(const CpuFeatures& features);
+Isa active_int8_isa();
+void set_active_int8_isa(Isa isa);  // throws std::runtime_error if this CPU cannot run it
+void run_attention_int8(const AttentionParams& params);
+void run_attention_int8(const AttentionParams& params, Isa isa);
 
 // Measured throughput (GFLOP/s) of `threads` threads on the compute path `isa`'s forward kernel
 // uses for `element` (fp32 FMA on its vectors, vdpbf16ps, AMX tiles), for about `seconds`: the

@@ -460,37 +460,57 @@ struct KeyValueRows {
   int64_t v_row_stride;
 };
 
-template <typename T>
-void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRows& kv,
-                    const QueryTile& tile, ThreadScratch& ws) {
+// The running softmax state of a query tile before its first key: m = -inf, l = 0, O^T = 0.
+void start_query_tile(const AttentionParams& p, const Tiling& t, const QueryTile& tile,
+                      ThreadScratch& ws) {
   const int64_t ld = t.schedule.block_q;
-  load_scaled_queries_transposed<T>(p, tile, t, ws.qt);
   for (int64_t i = 0; i < tile.vecs * kLanes; ++i) {
     ws.m[i] = kNegInf;
     ws.l[i] = 0.0f;
   }
   for (int64_t c = 0; c < p.head_dim_v; ++c)
     for (int64_t i = 0; i < tile.vecs * kLanes; ++i) ws.ot[c * ld + i] = 0.0f;
+}
 
-  // Causal: keys after the tile's last query are hidden from every query in it.
-  const int64_t key_limit = p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
+// Keys past the tile's last query are hidden from every query in it when causal.
+int64_t key_limit_for(const AttentionParams& p, const QueryTile& tile) {
+  return p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
+}
+
+// Everything after S^T of keys [k0, k0 + keys) is in ws.st (scaled scores, keys x queries):
+// masks, the online softmax, and O^T (Dv x queries) += V_tile^T P^T, in L1-sized key chunks.
+// `v_rows` are the pair's V rows (row 0 = key 0). Shared with the int8 kernel
+// (attention_int8_impl.h), which computes S^T differently.
+void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_rows,
+                     int64_t v_row_stride, const QueryTile& tile, int64_t k0, int64_t keys,
+                     ThreadScratch& ws) {
+  const int64_t ld = t.schedule.block_q;
+  if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
+  if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
+  with_count<kTileQueryVecs>(
+      tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, ld, keys, ws); });
+  for (int64_t j0 = 0; j0 < keys; j0 += t.pv_key_chunk) {
+    const int64_t chunk = min_i64(t.pv_key_chunk, keys - j0);
+    broadcast_fma<ALayout::kColMajor, true, BlockOrder::kRowBlocksOuter>(
+        v_rows + (k0 + j0) * v_row_stride, v_row_stride, ws.st + j0 * ld, ld, chunk, p.head_dim_v,
+        tile.vecs, ws.ot, ld);
+  }
+}
+
+template <typename T>
+void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRows& kv,
+                    const QueryTile& tile, ThreadScratch& ws) {
+  const int64_t ld = t.schedule.block_q;
+  load_scaled_queries_transposed<T>(p, tile, t, ws.qt);
+  start_query_tile(p, t, tile, ws);
+  const int64_t key_limit = key_limit_for(p, tile);
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     // S^T (keys x queries) = K_tile (keys x D) * Q^T (D x queries)
     broadcast_fma<ALayout::kRowMajor, false, BlockOrder::kRowBlocksOuter>(
         kv.k + k0 * kv.k_row_stride, kv.k_row_stride, ws.qt, ld, p.head_dim, keys, tile.vecs, ws.st,
         ld);
-    if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
-    if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
-    with_count<kTileQueryVecs>(
-        tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, ld, keys, ws); });
-    // O^T (Dv x queries) += V_tile^T (Dv x keys) * P^T (keys x queries), in L1-sized key chunks
-    for (int64_t j0 = 0; j0 < keys; j0 += t.pv_key_chunk) {
-      const int64_t chunk = min_i64(t.pv_key_chunk, keys - j0);
-      broadcast_fma<ALayout::kColMajor, true, BlockOrder::kRowBlocksOuter>(
-          kv.v + (k0 + j0) * kv.v_row_stride, kv.v_row_stride, ws.st + j0 * ld, ld, chunk,
-          p.head_dim_v, tile.vecs, ws.ot, ld);
-    }
+    finish_key_tile(p, t, kv.v, kv.v_row_stride, tile, k0, keys, ws);
   }
   write_output<T>(p, tile, t, ws);
 }

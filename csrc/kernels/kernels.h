@@ -9,11 +9,13 @@
 namespace npu_attn::kernels {
 
 #define NPU_ATTN_VARIANT(name, arch, builds_on, flags, features, needs, forward_from,     \
-                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel) \
+                         backward_from, peak_from, fp32_kernel, bf16_kernel, fp16_kernel, \
+                         int8_from, int8_kernel)                                          \
   NPU_ATTN_IF_##arch(                                                                     \
       void attention_forward_##forward_from(const AttentionParams& params);               \
       void attention_backward_##backward_from(const AttentionBackwardParams& params);     \
-      double peak_gflops_##peak_from(ElementType element, int threads, double seconds);)
+      double peak_gflops_##peak_from(ElementType element, int threads, double seconds);   \
+      void attention_int8_##int8_from(const AttentionParams& params);)
 #include "variants.def"
 #undef NPU_ATTN_VARIANT
 

@@ -437,8 +437,11 @@ def test_low_precision_meets_the_flash_attention_bar(dtype, each_isa):
 
 def test_backends_declare_support_and_explain_refusals():
     listing = {b["name"]: b for b in npu_attn.backends()}
-    assert list(listing) == ["tiled", "npu", "sdpa", "vanilla"]
+    assert list(listing) == ["tiled", "npu", "sdpa", "vanilla", "int8"]
     assert listing["tiled"]["devices"] == ["cpu"] and listing["tiled"]["grad"]
+    # The lossy int8 kernel runs only when named (test_int8_attention.py).
+    assert listing["int8"]["opt_in"] and not listing["int8"]["grad"]
+    assert not any(b["opt_in"] for name, b in listing.items() if name != "int8")
     assert listing["npu"]["available"] is False and "torch_npu" in listing["npu"]["reason"]
     q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
     # float64 is not a tiled dtype: the automatic choice falls through to torch's SDPA ...

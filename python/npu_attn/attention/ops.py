@@ -159,6 +159,49 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     return _empty_output(query, value.shape[-1]), query.new_empty((b, hq, lq), dtype=torch.float32)
 
 
+# --------------------------------------------------------------------------- int8 forward
+def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """The output of the lossy int8 kernel (Q K^T on 8-bit codes; csrc/kernels/
+    attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient."""
+    attn_mask = _kernel_mask(attn_mask)
+    out = _empty_output(query, value.shape[-1])
+    variant_choice.ensure_int8()
+    counts.count("int8")
+    _C.forward_int8(
+        _readable(query),
+        _readable(key),
+        _readable(value),
+        to_dlpack(out),
+        None if attn_mask is None else _readable(attn_mask),
+        None,
+        scale,
+        is_causal,
+        enable_gqa,
+        _runtime.get_num_threads(),
+    )
+    return out
+
+
+@torch.library.custom_op("npu_attn::sdpa_forward_int8", mutates_args=(), device_types="cpu")
+def sdpa_forward_int8(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+) -> Tensor:
+    """Lossy int8 attention output (B, Hq, Lq, Dv) of 4-D CPU tensors (no autograd formula:
+    differentiating it raises)."""
+    return forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+@sdpa_forward_int8.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    return _empty_output(query, value.shape[-1])
+
+
 # --------------------------------------------------------------------------- backward
 def backward_cpu(
     grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None

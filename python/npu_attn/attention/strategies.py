@@ -9,6 +9,8 @@ enable_gqa) -> Tensor`` that the diffusers redirect calls:
 - ``tiled``: npu_attn's kernel through :func:`npu_attn.scaled_dot_product_attention`; calls it
   cannot serve (tensors on another device, dropout) go to ``sdpa`` with a one-time warning.
 - ``npu``: the ``npu`` backend (torch_npu's fused attention).
+- ``int8``: the ``int8`` backend (npu_attn's lossy int8 kernel; opt-in, inference only: a call
+  that needs gradients raises). Calls it cannot serve go to ``sdpa`` like ``tiled``'s.
 - ``auto``: measured per shape on CPU (:mod:`npu_attn.attention.auto`), ``npu`` on an Ascend NPU,
   ``sdpa`` elsewhere.
 
@@ -30,7 +32,7 @@ from .backends import registry
 from .backends.base import AttentionCall, count_call
 from .functional import scaled_dot_product_attention as tiled_sdpa
 
-STRATEGIES = ("vanilla", "sdpa", "tiled", "npu", "auto")
+STRATEGIES = ("vanilla", "sdpa", "tiled", "npu", "auto", "int8")
 StrategyFn = Callable[..., torch.Tensor]
 
 
@@ -95,6 +97,28 @@ def tiled_attention(*args, **kwargs) -> torch.Tensor:
     return tiled_sdpa(*call.sdpa_args(), backend="tiled")
 
 
+def int8_attention(*args, **kwargs) -> torch.Tensor:
+    """The ``int8`` strategy: npu_attn's lossy int8 kernel (SDPA's signature), inference only.
+    Calls it cannot serve (dropout, non-CPU tensors) go to torch's SDPA with a one-time
+    warning; a call that needs gradients raises (the kernel has no backward)."""
+    call = AttentionCall.of(*args, **kwargs)
+    if call.needs_grad:
+        raise RuntimeError(
+            "npu_attn 'int8' attention is inference only (no backward): run the pipeline under "
+            "torch.no_grad() / torch.inference_mode(), or use the exact 'tiled' strategy to train"
+        )
+    reason = None
+    if call.device_type != "cpu":
+        reason = f"tensors on {call.query.device}"
+    elif call.dropout_p > 0.0:
+        reason = "dropout_p > 0 (training)"
+    if reason is not None:
+        _warn_once("int8:" + reason, f"npu_attn 'int8': {reason}; using torch SDPA for these calls")
+        count_call("int8->sdpa")
+        return registry.BY_NAME["sdpa"].forward(call)
+    return tiled_sdpa(*call.sdpa_args(), backend="int8")
+
+
 auto_selector = AutoSelector(lambda name: RUNNERS[name])
 
 RUNNERS: dict[str, StrategyFn] = {
@@ -103,6 +127,7 @@ RUNNERS: dict[str, StrategyFn] = {
     "tiled": tiled_attention,
     "npu": npu_attention,
     "auto": auto_selector,
+    "int8": int8_attention,
 }
 
 
@@ -112,9 +137,9 @@ def unavailable_reason(strategy: str, device: Optional[torch.device] = None) -> 
     device_type = torch.device(device).type if device is not None else "cpu"
     if strategy in ("vanilla", "sdpa", "auto"):
         return None
-    if strategy == "tiled":
+    if strategy in ("tiled", "int8"):
         if device_type != "cpu":
-            return f"the tiled kernel runs on CPU tensors; the model is on {device_type}"
+            return f"the {strategy} kernel runs on CPU tensors; the model is on {device_type}"
         return None
     if strategy == "npu":
         return npu_backend.unavailable_reason(device_type)

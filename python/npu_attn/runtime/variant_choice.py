@@ -19,6 +19,11 @@ backward"``). Until then, and for float32 and float16 (whose backward code diffe
 variants only in vector width, as the forward's does), the backward runs on the forward's
 variant.
 
+The int8 forward (the lossy opt-in ``int8`` strategy) has its own choice, one for every
+dtype: its candidates are the variants with different int8 kernels (``int8_kernel`` in the
+variant table), measured on the self-attention shape in float32 on its first call and cached
+under the key ``"int8"``.
+
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
 variant). ``python -m npu_attn doctor --tune`` measures again.
@@ -127,6 +132,15 @@ def backward_candidates(dtype: str) -> list[str]:
     return list(reversed(list(seen.values())))
 
 
+def int8_candidates() -> list[str]:
+    """Runnable variants with different int8 kernels, most specialised first."""
+    seen: dict[str, str] = {}
+    for row in _C.variants():
+        if row["runnable"]:
+            seen.setdefault(row["int8_kernel"], row["name"])
+    return list(reversed(list(seen.values())))
+
+
 def _inputs(dtype: str, shape: tuple, seed: int = 0):
     """q, k, v and the output for one shape, as NumPy arrays (float32/float16) or torch
     tensors (bfloat16, which NumPy lacks)."""
@@ -168,6 +182,19 @@ def measure(dtype: str, repeats: int = REPEATS) -> dict[str, dict[str, float]]:
         result[shape_class] = _interleaved_best(candidates(dtype), run, repeats)
         del keep
     return result
+
+
+def measure_int8(repeats: int = REPEATS) -> dict[str, dict[str, float]]:
+    """CPU milliseconds of each int8 candidate on the float32 self-attention shape, measured
+    like :func:`measure`."""
+    (q, k, v), out, _ = _inputs("float32", REPRESENTATIVE_SHAPES["self-attention"])
+
+    def run(name):
+        start = time.thread_time()
+        _C.forward_int8(q, k, v, out, num_threads=1, isa=name)
+        return time.thread_time() - start
+
+    return {"self-attention": _interleaved_best(int8_candidates(), run, repeats)}
 
 
 def _interleaved_best(names: list[str], run, repeats: int) -> dict[str, float]:
@@ -352,6 +379,46 @@ def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
         return entry
 
 
+_decided_int8: dict[str, Any] = {}
+
+
+def tune_int8(force: bool = False) -> dict[str, Any]:
+    """Choose the int8 forward's variant like :func:`tune` (pinned, disabled, the only
+    candidate, cached or measured), apply it and return the decision (``choice``: a variant)."""
+    with _lock:
+        if not force and _decided_int8:
+            return _decided_int8
+        pin = _pinned or _environment_pin()
+        names = int8_candidates()
+        if pin is not None:
+            entry = {"choice": pin, "source": "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"}
+        elif len(names) == 1:
+            entry = {"choice": names[0], "source": "only variant"}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"choice": _C.default_int8_isa(), "source": "rule (NPU_ATTN_TUNE=0)"}
+        else:
+            entry = None if force else _CACHE.get(fingerprint(), "int8")
+            if entry is not None and entry.get("choice") in _C.runnable_isas():
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                ms = measure_int8()
+                stamp = time.strftime("%Y-%m-%d")
+                entry = {"choice": decide_backward(ms), "ms": ms, "measured": stamp}
+                _CACHE.store(fingerprint(), "int8", entry)
+                logger.info("npu_attn: int8 kernel measured on this CPU: %s", entry["choice"])
+                entry = dict(entry, source=f"measured {stamp}")
+        _C.set_int8_isa(entry["choice"])
+        _decided_int8.clear()
+        _decided_int8.update(entry)
+        return entry
+
+
+def ensure_int8() -> None:
+    """Make sure the int8 forward's variant is chosen (cheap after the first call)."""
+    if not _decided_int8:
+        tune_int8()
+
+
 def ensure(dtype: str, backward: bool = False) -> None:
     """Make sure ``dtype``'s variant (with ``backward``, also its backward's) is chosen before
     a kernel call (cheap after the first)."""
@@ -372,10 +439,13 @@ def pin(name: Optional[str]) -> None:
             # First, so a variant this CPU cannot run raises before anything is recorded: a
             # recorded pin would make every later kernel call raise too.
             _C.set_isa(name)  # the backward's too
+            _C.set_int8_isa(name)
         _pinned = name
         _decided.clear()
         _decided_backward.clear()
+        _decided_int8.clear()
         if name is None:
+            _C.set_int8_isa(_C.default_int8_isa())
             for dtype in DTYPES:  # the rule until the next use measures or loads the choice
                 _apply(dtype, {"choice": _rule_choice(dtype)})
                 _C.set_backward_isa(None, dtype)
@@ -386,6 +456,7 @@ def forget() -> None:
     with _lock:
         _decided.clear()
         _decided_backward.clear()
+        _decided_int8.clear()
 
 
 def report() -> dict[str, dict[str, Any]]:

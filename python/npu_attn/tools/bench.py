@@ -109,10 +109,14 @@ def competitor_functions() -> dict[str, Callable]:
     from ..attention import strategies
     from ..attention.functional import scaled_dot_product_attention
 
+    def int8(q, k, v):
+        return scaled_dot_product_attention(q, k, v, backend="int8")
+
     return {
         "vanilla": strategies.vanilla_attention,
         "sdpa": F.scaled_dot_product_attention,
         "tiled": scaled_dot_product_attention,
+        "int8": int8,
     }
 
 
@@ -149,6 +153,8 @@ def runnable(case: Case, name: str) -> Optional[str]:
     """None if `name` should run on `case`, else why it is skipped."""
     if name == "vanilla" and case.score_bytes > VANILLA_SCORE_LIMIT:
         return f"skipped: needs ~{3 * case.score_bytes / 2**30:.0f} GiB for scores"
+    if name == "int8" and case.backward:
+        return "skipped: forward only"
     return None
 
 
@@ -169,15 +175,20 @@ def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, lis
     return times
 
 
-def check_agreement(case: Case) -> float:
-    """Max |tiled - sdpa| on the case (a benchmark of a wrong kernel is worthless)."""
+def check_agreement(case: Case) -> tuple[float, Optional[float]]:
+    """Max |tiled - sdpa| on the case (a benchmark of a wrong kernel is worthless), and the
+    lossy int8 kernel's relative L1 error against sdpa (None where it does not run)."""
     import torch
 
     fns = competitor_functions()
     q, k, v = make_inputs(case, seed=1)
     with torch.no_grad():
-        diff = fns["tiled"](q, k, v).float() - fns["sdpa"](q, k, v).float()
-    return float(diff.abs().max())
+        ref = fns["sdpa"](q, k, v).float()
+        diff = fns["tiled"](q, k, v).float() - ref
+        int8_error = None
+        if runnable(case, "int8") is None:
+            int8_error = float((fns["int8"](q, k, v).float() - ref).abs().sum() / ref.abs().sum())
+    return float(diff.abs().max()), int8_error
 
 
 # --------------------------------------------------------------------------- memory
@@ -257,10 +268,11 @@ def run(args) -> dict:
         "cases": [],
     }
     for case in tqdm(cases, desc="attention cases", unit="case"):
-        err = check_agreement(case)
+        err, int8_error = check_agreement(case)
         times = time_case(case, COMPETITORS, args.repeats)
         row = summarise(case, times, info["peak_gflops"][case.dtype]["gflops"])
         row["max_abs_diff_tiled_vs_sdpa"] = err
+        row["int8_relative_l1"] = int8_error
         if not args.no_memory:
             row["memory"] = {
                 n: measure_memory(case, n, threads)
@@ -277,6 +289,14 @@ def run(args) -> dict:
             "min_speedup_models": worst[0],
             "min_speedup_case": worst[1],
         }
+        int8_ratios = [
+            r["results"]["tiled"]["median_ms"] / r["results"]["int8"]["median_ms"]
+            for r in model_rows
+            if "median_ms" in r["results"].get("int8", {})
+        ]
+        if int8_ratios:
+            report["summary"]["geomean_int8_vs_tiled_models"] = geomean(int8_ratios)
+            report["summary"]["min_int8_vs_tiled_models"] = min(int8_ratios)
     else:
         report["summary"] = {
             "geomean_speedup_models": float("nan"),

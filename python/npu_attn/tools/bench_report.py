@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-COMPETITORS = ("vanilla", "sdpa", "tiled")
+COMPETITORS = ("vanilla", "sdpa", "tiled", "int8")  # int8: lossy, forward only
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -132,7 +132,7 @@ def _fmt_mem(b: Optional[int]) -> str:
 
 
 def _time_cell(results: dict, name: str) -> str:
-    x = results[name]
+    x = results.get(name, {})  # reports from before a competitor existed lack it
     if "median_ms" not in x:
         return x.get("skipped", "-").replace("skipped: ", "")
     return f"{x['median_ms']:.1f} [{x['min_ms']:.1f}-{x['max_ms']:.1f}]"
@@ -171,8 +171,9 @@ def markdown(report: dict) -> str:
         "peak of the compute path the dtype's self-attention variant runs on.",
         "",
         "| case | shape | vanilla ms | torch SDPA ms | npu_attn tiled ms | speed-up | "
-        "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tiled GFLOP/s | % of peak | peak mem vanilla / SDPA / tiled | "
+        "int8 ms (lossy) | int8 vs tiled | int8 rel. L1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["cases"]:
         r = row["results"]
@@ -184,7 +185,8 @@ def markdown(report: dict) -> str:
             f"{cell('tiled')} | {tiled.get('speedup_vs_sdpa', 0):.2f}x | "
             f"{tiled['gflops']:.0f} | {tiled['pct_peak']:.0f}% | "
             f"{_fmt_mem(mem.get('vanilla'))} / {_fmt_mem(mem.get('sdpa'))} / "
-            f"{_fmt_mem(mem.get('tiled'))} |"
+            f"{_fmt_mem(mem.get('tiled'))} | {cell('int8')} | {_int8_ratio(r)} | "
+            f"{_int8_error(row)} |"
         )
     s = report["summary"]
     if math.isnan(s["geomean_speedup_models"]):  # e.g. --filter target: no model shape ran
@@ -196,7 +198,29 @@ def markdown(report: dict) -> str:
         f"**{s['geomean_speedup_models']:.2f}x** (slowest case {s['min_speedup_models']:.2f}x, "
         f"{s['min_speedup_case']}).",
     ]
+    if s.get("geomean_int8_vs_tiled_models"):
+        lines += [
+            "",
+            f"int8 (lossy, opt-in) over tiled on the named model shapes: "
+            f"**{s['geomean_int8_vs_tiled_models']:.2f}x** geometric mean "
+            f"(slowest {s['min_int8_vs_tiled_models']:.2f}x). Relative L1 is against torch "
+            "SDPA on the benchmark's Gaussian inputs (the accuracy on diffusion-like "
+            "activations is in docs/int8-attention.md).",
+        ]
     return "\n".join(lines)
+
+
+def _int8_ratio(results: dict) -> str:
+    """tiled time / int8 time, or "-" where int8 did not run."""
+    tiled, int8 = results.get("tiled", {}), results.get("int8", {})
+    if "median_ms" not in tiled or "median_ms" not in int8:
+        return "-"
+    return f"{tiled['median_ms'] / int8['median_ms']:.2f}x"
+
+
+def _int8_error(row: dict) -> str:
+    error = row.get("int8_relative_l1")
+    return "-" if error is None else f"{error:.1e}"
 
 
 def plot(report: dict, directory: Path) -> list[Path]:

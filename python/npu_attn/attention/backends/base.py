@@ -122,6 +122,8 @@ class Backend:
     supports_dropout: ClassVar[bool] = False
     supports_grad: ClassVar[bool] = True
     max_head_dim: ClassVar[Optional[int]] = None
+    # Lossy backends (int8) run only when asked for by name, never by the automatic choice.
+    opt_in: ClassVar[bool] = False
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this backend cannot run at all here (a missing package), or None."""
@@ -169,6 +171,7 @@ class Backend:
             "max_head_dim": self.max_head_dim,
             "dropout": self.supports_dropout,
             "grad": self.supports_grad,
+            "opt_in": self.opt_in,
             "available": reason is None,
             "reason": reason,
         }

@@ -6,7 +6,8 @@ Everything else (``scaled_dot_product_attention(backend=...)``, ``npu_attn.backe
 doctor, a strategy of the same name) reads this registry.
 
 ``scaled_dot_product_attention(..., backend=None)`` takes the first registered backend with no
-``not_supported_reasons``; an explicit ``backend=`` that cannot run raises ``ValueError``
+``not_supported_reasons`` that is not ``opt_in`` (lossy backends run only when named); an
+explicit ``backend=`` that cannot run raises ``ValueError``
 listing its reasons.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .base import AttentionCall, Backend
+from .int8 import Int8Backend
 from .npu import NpuBackend
 from .tiled import TiledBackend
 from .torch_sdpa import TorchSdpaBackend
@@ -43,6 +45,7 @@ register(TiledBackend())
 register(NpuBackend())
 register(TorchSdpaBackend())
 register(VanillaBackend())
+register(Int8Backend())
 
 
 def get(name: str) -> Backend:
@@ -67,6 +70,8 @@ def select(call: AttentionCall, backend: Optional[str], preferred: Optional[str]
         return BY_NAME[preferred]
     refusals = {}
     for candidate in BACKENDS:
+        if candidate.opt_in:
+            continue
         reasons = candidate.not_supported_reasons(call)
         if not reasons:
             return candidate
@@ -85,7 +90,8 @@ def chosen_without_checks(backend: Optional[str], preferred: Optional[str]) -> O
         return BY_NAME.get(backend)
     if preferred in BY_NAME:
         return BY_NAME[preferred]
-    return BACKENDS[0] if BACKENDS else None
+    automatic = [b for b in BACKENDS if not b.opt_in]
+    return automatic[0] if automatic else None
 
 
 def backends() -> list[dict]:
