@@ -16,13 +16,16 @@ import pytest
 import torch
 
 from npu_attn.tools.bench_e2e import (
+    GRAPH_IMAGE_CONFIGS,
     IMAGE_CONFIGS,
     TRANSFORMER_IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,
     check_image_configs,
+    image_configs,
     images_markdown,
     make_inputs,
+    select_configs,
 )
 from npu_attn.tools.cli import main
 from npu_attn.tools.pipelines import (
@@ -45,7 +48,7 @@ def tiny_sdxl_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("images")
     argv = ["bench", "--e2e", "--images", "2", "--repeats", "1", "--model", "tiny-sdxl"]
     argv += ["--size", "32", "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
-    assert main(argv) == 0
+    assert main([*argv, "--no-graph-mode"]) == 0  # graph mode: test_graph_mode_images below
     return out
 
 
@@ -80,6 +83,7 @@ def test_transformer_families_run_their_image_configurations(model, tmp_path):
     DeepCache, through the same builders as the demo and the UI."""
     report_path = tmp_path / "r.json"
     argv = ["bench", "--e2e", "--images", "2", "--repeats", "1", "--model", model]
+    argv += ["--no-graph-mode"]  # graph mode on a transformer: test_transformer_graph_mode
     assert main([*argv, "--dtype", "float32", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text(encoding="utf-8"))
     labels = [config[0] for config in TRANSFORMER_IMAGE_CONFIGS]
@@ -174,6 +178,7 @@ def test_architecture_tables_do_not_overlap():
 def test_sd_images_still_run(tmp_path):
     """The SD-1.5-style pipeline (DDIM, no pooled embeddings) through the same path."""
     argv = ["bench", "--e2e", "--images", "1", "--repeats", "1", "--model", "tiny"]
+    argv += ["--no-graph-mode"]
     assert main([*argv, "--size", "32", "--json", str(tmp_path / "r.json")]) == 0
     report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
     assert report["scheduler"] == "DDIMScheduler"
@@ -197,3 +202,53 @@ def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():
         assert not npu_attn.runtime.cpu_memory_reuse_enabled() and calls == ["reuse"]
     finally:
         npu_attn.runtime.reuse_cpu_memory(False)
+
+
+def test_graph_mode_images_run_on_compiled_copies_and_leave_the_pipeline_eager(tmp_path):
+    """The graph-mode configurations (compiled + frozen tiled, with DeepCache and Token
+    Merging): each on its own compiled copy of the pipeline, compile time reported apart, the
+    exact one identical to rounding, the benchmarked pipeline itself never compiled."""
+    report_path = tmp_path / "r.json"
+    argv = ["bench", "--e2e", "--images", "3", "--repeats", "1", "--model", "tiny-sdxl"]
+    argv += ["--size", "32", "--dtype", "float32", "--json", str(report_path)]
+    assert main([*argv, "--configs", "frozen"]) == 0
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    graph_labels = [c[0] for c in GRAPH_IMAGE_CONFIGS]
+    assert list(report["seconds_per_image"]) == [LABELS[0], *graph_labels]
+    assert set(report["compile_and_warm_up_seconds"]) == set(graph_labels)
+    psnr = report["psnr_db_vs_baseline"]
+    assert psnr["compiled tiled (frozen)"] > 60, psnr  # exact: float rounding only
+    assert all(psnr[n] > 10 for n in graph_labels), psnr
+    assert "Graph mode, compile + warm-up image" in images_markdown(report)
+
+
+def test_configurations_are_selected_by_label():
+    configs = image_configs("sd")
+    assert [c[0] for c in select_configs(configs, "DeepCache 3 + tiled")] == [
+        LABELS[0],
+        "ToMe 0.5 + DeepCache 3 + tiled",
+        "ToMe 0.5 + DeepCache 3 + tiled + channels-last",
+    ]
+    assert select_configs(configs, None) == configs
+    # a whole label selects that configuration only
+    assert [c[0] for c in select_configs(configs, "Compiled tiled (frozen)")] == [
+        LABELS[0],
+        "compiled tiled (frozen)",
+    ]
+    assert image_configs("sd", graph=False) == IMAGE_CONFIGS
+    with pytest.raises(ValueError, match="'warp drive' matches no configuration"):
+        select_configs(configs, "warp drive")
+
+
+def test_transformer_graph_mode(tmp_path):
+    """The transformer families' graph-mode configuration (compiled + frozen tiled) on Flux."""
+    report_path = tmp_path / "r.json"
+    argv = ["bench", "--e2e", "--images", "2", "--repeats", "1", "--model", "tiny-flux"]
+    argv += ["--dtype", "float32", "--configs", "compiled tiled (frozen)"]
+    assert main([*argv, "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    assert list(report["seconds_per_image"]) == [
+        "sdpa (diffusers default)",
+        "compiled tiled (frozen)",
+    ]
+    assert report["psnr_db_vs_baseline"]["compiled tiled (frozen)"] > 60  # exact

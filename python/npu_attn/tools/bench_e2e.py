@@ -25,11 +25,18 @@ separately; the table gives medians and ratios to the baseline and names the mac
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
 their combinations (IMAGE_CONFIGS; the transformer families SD3, Flux and HiDream take First
-Block Cache instead: TRANSFORMER_IMAGE_CONFIGS), with each image's PSNR against the default's
-and the seconds per denoising step inside each image. The web UI's compare tab runs the same
-code (compare_images). ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and
-Euler scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at
-1024x1024 by default; ``--size`` picks another size. ``--plot`` writes either report as a bar chart.
+Block Cache instead: TRANSFORMER_IMAGE_CONFIGS), and graph mode (``npu_attn.compile`` with
+``tiled`` and frozen weights, ``fullgraph=False``) alone and with the accelerations
+(GRAPH_IMAGE_CONFIGS), with each image's PSNR against the default's and the seconds per
+denoising step inside each image. Each graph-mode configuration runs on its own copy of the
+pipeline (sharing the weights), configured and compiled once before the rounds: switching one
+pipeline between configurations would recompile at every switch. Its compile time is reported
+apart; its warm-up is an untimed image of up to 4 steps, so the graphs DeepCache's cached steps
+take are compiled too. ``--configs`` picks configurations by label (the baseline always runs).
+The web UI's compare tab runs the same code (compare_images) without the graph-mode ones.
+``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random
+weights, prompts as random embeddings with SDXL's pooled ones) at 1024x1024 by default;
+``--size`` picks another size. ``--plot`` writes either report as a bar chart.
 """
 
 from __future__ import annotations
@@ -264,6 +271,7 @@ IMAGE_CONFIGS = (
         "tiled",
         {**TOME, **DEEPCACHE, **CHANNELS_LAST},
     ),
+    ("int8 (lossy attention)", "int8", {}),
 )
 # The transformer families (SD3, Flux, HiDream) take First Block Cache instead; channels-last
 # applies to their VAE.
@@ -273,12 +281,94 @@ TRANSFORMER_IMAGE_CONFIGS = (
     ("channels-last", "sdpa", CHANNELS_LAST),
     ("block cache 0.1", "sdpa", BLOCK_CACHE),
     ("block cache 0.1 + tiled", "tiled", BLOCK_CACHE),
+    ("int8 (lossy attention)", "int8", {}),
 )
 
 
-def image_configs(family: str) -> tuple:
-    """The ``--images`` configurations for a model family (pipelines.FAMILIES)."""
-    return IMAGE_CONFIGS if family in ("sd", "sdxl") else TRANSFORMER_IMAGE_CONFIGS
+# Graph mode: the options key GRAPH = "frozen" compiles the configured pipeline copy with
+# npu_attn.compile(strategy, freeze=True) (fullgraph=False: the accelerations' hooks break the
+# graph). The exact recipe (graph mode alone) and the lossy ones (with the caches and Token
+# Merging). Not with channels-last: a frozen graph lays out its convolution weights itself
+# (and channels-last converts weights in place, which the frozen copies share).
+GRAPH = "graph_mode"
+FROZEN_GRAPH = {GRAPH: "frozen"}
+GRAPH_IMAGE_CONFIGS = (
+    ("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),
+    ("DeepCache 3 + compiled tiled (frozen)", "tiled", {**DEEPCACHE, **FROZEN_GRAPH}),
+    (
+        "ToMe 0.5 + DeepCache 3 + compiled tiled (frozen)",
+        "tiled",
+        {**TOME, **DEEPCACHE, **FROZEN_GRAPH},
+    ),
+)
+TRANSFORMER_GRAPH_IMAGE_CONFIGS = (("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),)
+GRAPH_WARM_UP_STEPS = 4
+
+
+def image_configs(family: str, graph: bool = True) -> tuple:
+    """The ``--images`` configurations for a model family (pipelines.FAMILIES); ``graph``: with
+    the graph-mode ones (the web UI's compare tab leaves them out: it compiles on request)."""
+    if family in ("sd", "sdxl"):
+        return IMAGE_CONFIGS + (GRAPH_IMAGE_CONFIGS if graph else ())
+    return TRANSFORMER_IMAGE_CONFIGS + (TRANSFORMER_GRAPH_IMAGE_CONFIGS if graph else ())
+
+
+def select_configs(configs: tuple, wanted: Optional[str]) -> tuple:
+    """The baseline and the configurations ``wanted`` names: comma-separated texts, each
+    selecting the configuration whose label it is (case-insensitive), or else every label that
+    contains it; all of them for None. ValueError if a text matches nothing."""
+    if not wanted:
+        return configs
+    chosen = set()
+    for text in (w.strip().lower() for w in wanted.split(",") if w.strip()):
+        labels = [label for label, _, _ in configs]
+        exact = [label for label in labels if label.lower() == text]
+        found = exact or [label for label in labels if text in label.lower()]
+        if not found:
+            raise ValueError(f"--configs: {text!r} matches no configuration ({'; '.join(labels)})")
+        chosen.update(found)
+    return (configs[0],) + tuple(c for c in configs[1:] if c[0] in chosen)
+
+
+def is_graph_config(options: dict) -> bool:
+    return GRAPH in options
+
+
+def pipeline_copy(pipe, share_weights: bool = True):
+    """A pipeline object of its own whose modules are copies of ``pipe``'s: sharing every
+    weight tensor with them (configuring and compiling the copy leaves ``pipe`` as it is, at the
+    memory of the module objects only), or with ``share_weights=False`` with weights of their
+    own."""
+    import torch
+
+    shared = {}
+    if share_weights:
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                for t in shared_tensors(component):
+                    shared[id(t)] = t
+    twin = copy.copy(pipe)
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            setattr(twin, name, copy.deepcopy(component, dict(shared)))
+    return twin
+
+
+def prepare_graph_config(weights, strategy: str, options: dict, embeds: dict, size: int):
+    """A compiled copy of the pipeline ``weights`` (sharing its weights) in one graph-mode
+    configuration, warmed up (compiled): (the copy, seconds its configuration, compilation and
+    warm-up image took). ``weights`` is a copy of the benchmarked pipeline made once
+    (pipeline_copy(pipe, share_weights=False)): the eager configurations convert the
+    benchmarked pipeline's weights in place (channels-last), which frozen graphs must not
+    see."""
+    from ..graph.mode import compile as graph_compile
+
+    start = time.perf_counter()
+    twin = pipeline_copy(weights)
+    configure(twin, strategy, {k: v for k, v in options.items() if k != GRAPH})
+    graph_compile(twin, strategy=None, freeze=True, show_progress=False)
+    timed_image(twin, embeds, GRAPH_WARM_UP_STEPS, size)
+    return twin, time.perf_counter() - start
 
 
 def check_image_configs(pipe, model: str, configs=IMAGE_CONFIGS) -> None:
@@ -288,6 +378,7 @@ def check_image_configs(pipe, model: str, configs=IMAGE_CONFIGS) -> None:
     from ..accel.registry import check_acceleration
 
     for label, _, options in configs:
+        options = {k: v for k, v in options.items() if k != GRAPH}
         if not options:  # (no options would check the environment's)
             continue
         try:
@@ -344,32 +435,43 @@ def timed_image(pipe, embeds: dict, steps: int, size: int, seed: int = 0):
 def compare_images(
     pipe, configs, embeds: dict, steps: int, size: int, repeats: int, on_round=None, seed: int = 0
 ):
-    """Each configuration's image seconds (all from `seed`), interleaved over `repeats` rounds
-    after an untimed 1-step warm-up of each, and its distance from the first (exact)
-    configuration's image.
-    `on_round(done, total)` is called after each round. Returns the report's measurements:
-    medians of seconds per image and per denoising step, speed-ups and PSNRs vs the first."""
+    """Each configuration's image seconds (all from `seed`) and its distance from the first
+    (exact) configuration's image. Eager configurations are interleaved over `repeats` rounds
+    after an untimed 1-step warm-up of each; then each graph-mode configuration is compiled on
+    a copy of the pipeline, warmed up, timed `repeats` times and released, one at a time (its
+    compiled graphs and prepacked weights never share the process with another's: memory,
+    and no recompilation inside a timed image).
+    `on_round(done, total)` is called after each eager round. Returns the report's
+    measurements: medians of seconds per image and per denoising step, speed-ups and PSNRs vs
+    the first, and each graph-mode configuration's compile + warm-up seconds."""
     from .pipelines import psnr_db
 
     names = [label for label, _, _ in configs]
-    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
-    # the first round, the diffusers default's image first: a 1-step image per configuration.
-    for _, strategy, options in configs:
-        configure(pipe, strategy, options)
-        timed_image(pipe, embeds, 1, size)
+    eager = [c for c in configs if not is_graph_config(c[2])]
+    graph = [c for c in configs if is_graph_config(c[2])]
     times = {name: [] for name in names}
     loop_times = {name: [] for name in names}
     images = {}
+
+    def timed(target, label):
+        seconds, loop_seconds, image = timed_image(target, embeds, steps, size, seed)
+        times[label].append(seconds)
+        loop_times[label].append(loop_seconds / steps)
+        images.setdefault(label, image)
+
+    # One-time costs (first calls of each shape and dtype, allocations) would otherwise land on
+    # the first round, the diffusers default's image first: a 1-step image per configuration.
+    for _, strategy, options in eager:
+        configure(pipe, strategy, options)
+        timed_image(pipe, embeds, 1, size)
     for done in range(repeats):
-        for label, strategy, options in configs:
+        for label, strategy, options in eager:
             configure(pipe, strategy, options)
-            seconds, loop_seconds, image = timed_image(pipe, embeds, steps, size, seed)
-            times[label].append(seconds)
-            loop_times[label].append(loop_seconds / steps)
-            images.setdefault(label, image)
+            timed(pipe, label)
         if on_round is not None:
             on_round(done + 1, repeats)
     configure(pipe, "sdpa", {})
+    setup_seconds = run_graph_configs(pipe, graph, embeds, size, repeats, timed)
     baseline = names[0]
     medians = {n: statistics.median(t) for n, t in times.items()}
     return {
@@ -380,7 +482,32 @@ def compare_images(
         "psnr_db_vs_baseline": {
             n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in names
         },
+        "compile_and_warm_up_seconds": setup_seconds,
     }
+
+
+def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, timed) -> dict:
+    """Compiles, warms up and times (``timed(target, label)``, `repeats` times) each graph-mode
+    configuration in turn on a compiled copy of ``pipe``, released before the next; returns
+    their compile + warm-up seconds."""
+    import gc
+
+    import torch
+
+    setup_seconds = {}
+    if not configs:
+        return setup_seconds
+    # The eager configurations convert the pipeline's weights in place (channels-last), which
+    # frozen graphs must not see: the compiled copies share one copy of the weights of their own.
+    weights = pipeline_copy(pipe, share_weights=False)
+    for label, strategy, options in configs:
+        twin, setup_seconds[label] = prepare_graph_config(weights, strategy, options, embeds, size)
+        for _ in range(repeats):
+            timed(twin, label)
+        del twin
+        torch._dynamo.reset()  # its graphs go with it (and count against no recompile limit)
+        gc.collect()
+    return setup_seconds
 
 
 def run_images(args) -> dict:
@@ -402,7 +529,9 @@ def run_images(args) -> dict:
     _runtime.set_num_threads(threads)
     pipe = build_pipeline(args.model).to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    configs = image_configs(FAMILIES[args.model])
+    graph = not getattr(args, "no_graph_mode", False)
+    configs = image_configs(FAMILIES[args.model], graph)
+    configs = select_configs(configs, getattr(args, "configs", None))
     check_image_configs(pipe, args.model, configs)
     embeds = prompt_embeddings(pipe, dtype, "cpu")
     with tqdm(total=args.repeats, desc="interleaved rounds", unit="round") as bar:
@@ -434,6 +563,7 @@ def images_markdown(report: dict) -> str:
         "| configuration | s / image | vs diffusers default | image PSNR vs default |",
         "|---|---|---|---|",
     ]
+    setup = report.get("compile_and_warm_up_seconds", {})
     for name, seconds in report["seconds_per_image"].items():
         psnr = report["psnr_db_vs_baseline"][name]
         psnr_text = (
@@ -444,6 +574,14 @@ def images_markdown(report: dict) -> str:
         lines.append(
             f"| {name} | {seconds:.1f} | {report['speedup_vs_baseline'][name]:.2f}x | {psnr_text} |"
         )
+    if setup:
+        lines += [
+            "",
+            "Graph mode, compile + warm-up image (once per process, not in the times above): "
+            + ", ".join(f"{name} {s:.0f} s" for name, s in setup.items())
+            + ". Exact configurations differ from the default by float rounding only; the "
+            "lossy ones (Token Merging, DeepCache, block cache) by their PSNR.",
+        ]
     return "\n".join(lines)
 
 
@@ -559,6 +697,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         "Token Merging and DeepCache (UNets) or First Block Cache (transformers; lossy), tiled "
         "and channels-last, against the diffusers default",
     )
+    parser.add_argument(
+        "--no-graph-mode",
+        action="store_true",
+        help="with --images: leave out the graph-mode configurations (each compiles a copy of "
+        "the pipeline: minutes per configuration on a full-size model)",
+    )
+    parser.add_argument(
+        "--configs",
+        help="with --images: only the configurations whose label contains one of these "
+        "comma-separated texts (the diffusers default always runs), e.g. 'frozen,channels-last'",
+    )
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
@@ -575,6 +724,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.images is not None:
         if args.images < 1:
             parser.error(f"--images must be >= 1 denoising step, got {args.images}")
+        if args.configs:
+            try:
+                select_configs(image_configs(FAMILIES[args.model]), args.configs)
+            except ValueError as e:
+                parser.error(str(e))
         try:
             report = run_images(args)
         except ConfigurationError as e:

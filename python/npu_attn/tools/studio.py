@@ -426,7 +426,7 @@ class Studio:
         try:
             pipe = self.pipeline(request)
             size = self._check_loaded(pipe, request)
-            configs = compare_configs(family_configs(pipeline_family(pipe)), labels)
+            configs = compare_configs(family_configs(pipeline_family(pipe), graph=False), labels)
             try:
                 check_image_configs(pipe, request.model, configs)
             except ConfigurationError as e:

@@ -64,7 +64,7 @@ def compare_labels(model: str) -> list[str]:
     from .bench_e2e import image_configs
 
     family = FAMILIES.get(model, "sd")
-    return [label for label, _, _ in image_configs(family)]
+    return [label for label, _, _ in image_configs(family, graph=False)]
 
 
 def timing_markdown(images: list[GeneratedImage], total: int) -> str:
