@@ -29,14 +29,16 @@ Block Cache instead: TRANSFORMER_IMAGE_CONFIGS), and graph mode (``npu_attn.comp
 ``tiled`` and frozen weights, ``fullgraph=False``) alone and with the accelerations
 (GRAPH_IMAGE_CONFIGS), with each image's PSNR against the default's and the seconds per
 denoising step inside each image. Each graph-mode configuration runs on its own copy of the
-pipeline (sharing the weights), configured and compiled once before the rounds: switching one
-pipeline between configurations would recompile at every switch. Its compile time is reported
-apart; its warm-up is an untimed image of up to 4 steps, so the graphs DeepCache's cached steps
-take are compiled too. ``--configs`` picks configurations by label (the baseline always runs).
-The web UI's compare tab runs the same code (compare_images) without the graph-mode ones.
-``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and Euler scheduler, random
-weights, prompts as random embeddings with SDXL's pooled ones) at 1024x1024 by default;
-``--size`` picks another size. ``--plot`` writes either report as a bar chart.
+pipeline (sharing the weights), configured, compiled, timed and released after the eager
+rounds, one at a time: switching one pipeline between configurations would recompile at every
+switch, and two frozen copies of a full-size model need more memory than one. Its compile
+time is reported apart; its warm-up is an untimed image of up to 4 steps, so the graphs
+DeepCache's cached steps take are compiled too. ``--configs`` picks configurations by label
+(the baseline always runs). The web UI's compare tab runs the same code (compare_images)
+without the graph-mode ones. ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE
+and Euler scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at
+1024x1024 by default; ``--size`` picks another size. ``--plot`` writes either report as a bar
+chart.
 """
 
 from __future__ import annotations
@@ -334,19 +336,17 @@ def is_graph_config(options: dict) -> bool:
     return GRAPH in options
 
 
-def pipeline_copy(pipe, share_weights: bool = True):
-    """A pipeline object of its own whose modules are copies of ``pipe``'s: sharing every
-    weight tensor with them (configuring and compiling the copy leaves ``pipe`` as it is, at the
-    memory of the module objects only), or with ``share_weights=False`` with weights of their
-    own."""
+def pipeline_copy(pipe):
+    """A pipeline object of its own whose modules are copies of ``pipe``'s sharing every weight
+    tensor with them: configuring and compiling the copy leaves ``pipe`` as it is, at the memory
+    of the module objects only."""
     import torch
 
     shared = {}
-    if share_weights:
-        for component in pipe.components.values():
-            if isinstance(component, torch.nn.Module):
-                for t in shared_tensors(component):
-                    shared[id(t)] = t
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            for t in shared_tensors(component):
+                shared[id(t)] = t
     twin = copy.copy(pipe)
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
@@ -355,12 +355,9 @@ def pipeline_copy(pipe, share_weights: bool = True):
 
 
 def prepare_graph_config(weights, strategy: str, options: dict, embeds: dict, size: int):
-    """A compiled copy of the pipeline ``weights`` (sharing its weights) in one graph-mode
-    configuration, warmed up (compiled): (the copy, seconds its configuration, compilation and
-    warm-up image took). ``weights`` is a copy of the benchmarked pipeline made once
-    (pipeline_copy(pipe, share_weights=False)): the eager configurations convert the
-    benchmarked pipeline's weights in place (channels-last), which frozen graphs must not
-    see."""
+    """A compiled copy of the pipeline ``weights`` (sharing its weights, which must not change
+    while the copy is used) in one graph-mode configuration, warmed up (compiled): (the copy,
+    seconds its configuration, compilation and warm-up image took)."""
     from ..graph.mode import compile as graph_compile
 
     start = time.perf_counter()
@@ -497,11 +494,12 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
     setup_seconds = {}
     if not configs:
         return setup_seconds
-    # The eager configurations convert the pipeline's weights in place (channels-last), which
-    # frozen graphs must not see: the compiled copies share one copy of the weights of their own.
-    weights = pipeline_copy(pipe, share_weights=False)
+    # The eager configurations are over (they convert the pipeline's weights in place for
+    # channels-last, which a frozen graph must not see afterwards), so the compiled copies share
+    # the pipeline's weights: a private copy of them did not fit next to a frozen full-size
+    # SD-1.5 in float32 on 24 GiB.
     for label, strategy, options in configs:
-        twin, setup_seconds[label] = prepare_graph_config(weights, strategy, options, embeds, size)
+        twin, setup_seconds[label] = prepare_graph_config(pipe, strategy, options, embeds, size)
         for _ in range(repeats):
             timed(twin, label)
         del twin
