@@ -91,6 +91,7 @@ def main() -> None:
     report["size"], report["models"] = args.size, {}
     for model in tqdm(args.models.split(","), desc="models"):
         report["models"][model] = measure(model, args.steps, args.size)
+        print(model, json.dumps(report["models"][model]), flush=True)  # as each model finishes
     lines = [
         f"{report['machine']['cpu']}, {report['machine']['threads']} threads; {args.steps} steps "
         f"at {args.size}x{args.size}, random weights; against float32 `tiled` (exact).",
