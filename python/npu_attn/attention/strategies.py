@@ -76,11 +76,11 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def tiled_attention(*args, **kwargs) -> torch.Tensor:
-    """The ``tiled`` strategy: npu_attn's kernel (differentiable; SDPA's signature). Calls it
-    cannot serve (dropout, non-CPU tensors) go to torch's SDPA with a one-time warning instead
-    of failing inside a model."""
-    call = AttentionCall.of(*args, **kwargs)
+def _cpu_kernel(name: str, call: AttentionCall) -> torch.Tensor:
+    """Runs ``call`` on npu_attn's CPU kernel backend ``name`` (``tiled`` or ``int8``) through
+    the public function (autocast, broadcasting and transforms as torch does them; the kernel
+    counts the call where it runs). Calls it cannot serve (dropout, non-CPU tensors) go to
+    torch's SDPA with a one-time warning instead of failing inside a model."""
     reason = None
     if call.device_type != "cpu":
         reason = f"tensors on {call.query.device}"
@@ -88,35 +88,30 @@ def tiled_attention(*args, **kwargs) -> torch.Tensor:
         reason = "dropout_p > 0 (training)"
     if reason is not None:
         _warn_once(
-            "tiled:" + reason, f"npu_attn 'tiled': {reason}; using torch SDPA for these calls"
+            f"{name}:{reason}", f"npu_attn '{name}': {reason}; using torch SDPA for these calls"
         )
-        count_call("tiled->sdpa")
+        count_call(f"{name}->sdpa")
         return registry.BY_NAME["sdpa"].forward(call)
-    # Through the public function: autocast, broadcasting and transforms as torch does them
-    # (the kernel counts the call where it runs).
-    return tiled_sdpa(*call.sdpa_args(), backend="tiled")
+    return tiled_sdpa(*call.sdpa_args(), backend=name)
+
+
+def tiled_attention(*args, **kwargs) -> torch.Tensor:
+    """The ``tiled`` strategy: npu_attn's kernel (differentiable; SDPA's signature); calls it
+    cannot serve go to torch's SDPA (:func:`_cpu_kernel`)."""
+    return _cpu_kernel("tiled", AttentionCall.of(*args, **kwargs))
 
 
 def int8_attention(*args, **kwargs) -> torch.Tensor:
-    """The ``int8`` strategy: npu_attn's lossy int8 kernel (SDPA's signature), inference only.
-    Calls it cannot serve (dropout, non-CPU tensors) go to torch's SDPA with a one-time
-    warning; a call that needs gradients raises (the kernel has no backward)."""
+    """The ``int8`` strategy: npu_attn's lossy int8 kernel (SDPA's signature), inference only:
+    a call that needs gradients raises (the kernel has no backward); calls it cannot serve go
+    to torch's SDPA (:func:`_cpu_kernel`)."""
     call = AttentionCall.of(*args, **kwargs)
     if call.needs_grad:
         raise RuntimeError(
             "npu_attn 'int8' attention is inference only (no backward): run the pipeline under "
             "torch.no_grad() / torch.inference_mode(), or use the exact 'tiled' strategy to train"
         )
-    reason = None
-    if call.device_type != "cpu":
-        reason = f"tensors on {call.query.device}"
-    elif call.dropout_p > 0.0:
-        reason = "dropout_p > 0 (training)"
-    if reason is not None:
-        _warn_once("int8:" + reason, f"npu_attn 'int8': {reason}; using torch SDPA for these calls")
-        count_call("int8->sdpa")
-        return registry.BY_NAME["sdpa"].forward(call)
-    return tiled_sdpa(*call.sdpa_args(), backend="int8")
+    return _cpu_kernel("int8", call)
 
 
 auto_selector = AutoSelector(lambda name: RUNNERS[name])
