@@ -174,6 +174,35 @@ def test_runs_under_torch_compile(method):
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_graph_mode_traces_the_accelerations_once_and_never_falls_back_to_eager():
+    """Token Merging + DeepCache under graph mode with inductor's freezing on (what
+    ``npu_attn.compile(..., freeze=True)`` sets): three graphs (first step, refreshing step,
+    cached step), none recompiled by a second image and no graph break that makes dynamo run a
+    frame eagerly. Caught: DeepCache's cached tensors, reached through the UNet, were frozen
+    into the graph and recompiled it at every refresh; ToMe's generator draws and bincount
+    broke the graph inside the UNet's block loop, which then ran eagerly."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    pipe = sd15_pipeline()
+    npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
+    counter = CompileCounter()
+    counters.clear()
+    try:
+        with torch._inductor.config.patch(freezing=True):
+            npu_attn.compile(pipe, "tiled", backend=counter, show_progress=False)
+            generate(pipe, steps=STEPS)
+            graphs = counter.frame_count
+            generate(pipe, steps=STEPS)
+    finally:
+        npu_attn.reset_compile(pipe)
+        torch._dynamo.reset()
+    assert 0 < graphs <= 4, f"{graphs} graphs"
+    assert counter.frame_count == graphs, "the second image recompiled"
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+
+
 def test_environment_applies_both(monkeypatch):
     monkeypatch.setenv("NPU_ATTN_TOME", "0.5")
     monkeypatch.setenv("NPU_ATTN_DEEPCACHE", " 3 ")

@@ -9,6 +9,8 @@ Adding a method: a module in this folder with its check/apply/remove/settings fu
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -94,6 +96,37 @@ class InstanceForward:
             del self.module.forward  # the class's forward again
         else:
             self.module.forward = self.previous
+
+
+# Tensors an acceleration keeps between steps live in this module-level table, reached through
+# a global, not through the model: torch.compile treats tensors reached through an nn.Module's
+# attributes as static (under freezing: graph constants guarded on their identity), so every
+# refresh of a cache recompiled the model until dynamo's recompile limit, after which the UNet
+# ran eagerly. Reached through a global they are ordinary graph inputs.
+_TENSOR_STORES: dict[int, dict] = {}
+_store_tokens = itertools.count()
+
+
+class TensorStore:
+    """A dict of tensors kept between model calls (``store.tensors``), owned by an
+    acceleration's state. Pickles and deep-copies with its contents; each copy is its own."""
+
+    def __init__(self) -> None:
+        token = next(_store_tokens)
+        _TENSOR_STORES[token] = {}
+        self._token = token
+        weakref.finalize(self, _TENSOR_STORES.pop, token, None)
+
+    @property
+    def tensors(self) -> dict:
+        return _TENSOR_STORES[self._token]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tensors": dict(self.tensors)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.tensors.update(state["tensors"])
 
 
 def refuse_other_diffusers_cache(model: torch.nn.Module, ours: StateAttribute, other: str) -> None:

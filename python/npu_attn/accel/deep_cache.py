@@ -49,6 +49,7 @@ from .base import (
     InstanceForward,
     Method,
     ModelFamilyError,
+    TensorStore,
     options_from,
     refuse_other_diffusers_cache,
 )
@@ -111,7 +112,7 @@ class _State:
         self.options = options
         # The pipeline owns the UNet: a weak reference, so the UNet does not keep it alive.
         self._pipe: Optional[weakref.ref] = weakref.ref(pipe)
-        self.cache: dict[tuple[int, str], Any] = {}
+        self._store = TensorStore()  # the cached outputs, by (call in step, module name)
         self.cached_shape: dict[int, tuple[int, ...]] = {}  # per call in a step
         self.start_index: Optional[int] = None
         self.last_index: Optional[int] = None
@@ -120,6 +121,10 @@ class _State:
         self.skipped_steps = 0
         self.wrapped: list[InstanceForward] = []
         self.handle: Any = None
+
+    @property
+    def cache(self) -> dict[tuple[int, str], Any]:
+        return self._store.tensors
 
     def step_index(self, timestep: Any) -> int:
         """The index of ``timestep`` in the pipeline's scheduler (DeepCacheSDHelper's rule)."""

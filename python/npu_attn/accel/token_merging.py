@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..components import StateAttribute, denoiser_of
-from .base import Method, ModelFamilyError, options_from
+from .base import Method, ModelFamilyError, TensorStore, options_from
 
 __all__ = [
     "ModelFamilyError",
@@ -124,6 +124,7 @@ def bipartite_soft_matching_random2d(
     r: int,
     no_rand: bool = False,
     generator: Optional[torch.Generator] = None,
+    cells: Optional[torch.Tensor] = None,
 ) -> tuple[Merge, Merge]:
     """tomesd's bipartite soft matching on a ``w x h`` token grid: merge and unmerge functions
     that remove ``r`` tokens from ``[B, N, C]`` tensors (``metric`` decides which).
@@ -133,12 +134,16 @@ def bipartite_soft_matching_random2d(
     destination, the ``r`` best matches first; unmerge copies each destination back to its
     sources. The matching is tomesd 0.1.3's ``merge.py`` op for op; merging and unmerging give
     tomesd's results bit for bit (tested) with fewer, cheaper operations (:class:`_RowPlan`).
+    ``cells``: the random destinations drawn beforehand (:func:`draw_cells`), instead of
+    drawing them here from ``generator``.
     """
     batch, tokens, _ = metric.shape
     if r <= 0 or w < sx or h < sy:  # nothing to merge, or no whole cell (tomesd would fail)
         return _identity, _identity
     with torch.no_grad():
-        a_idx, b_idx = _split_indices(w, h, sx, sy, no_rand, generator, metric.device)
+        if cells is None and not no_rand:
+            cells = draw_cells(w, h, sx, sy, generator, metric.device)
+        a_idx, b_idx = _split_indices(w, h, sx, sy, cells, metric.device)
         src_pos, dst_pos = a_idx.view(-1), b_idx.view(-1)
         r = min(src_pos.numel(), r)  # cannot merge more tokens than there are sources
         kept, merged, merged_into = _match(metric, src_pos, dst_pos, r)
@@ -199,7 +204,10 @@ class _RowPlan:
         self.merged_slots = rows_of(merged_into, num_dst)  # rows of the [B * num_dst] means
         # Each mean's count (itself plus its sources), in the tokens' dtype (small integers,
         # exact) as tomesd's scatter_reduce divides.
-        counts = 1 + torch.bincount(self.merged_slots, minlength=batch * num_dst)
+        # (index_add_, not bincount: bincount's output shape depends on the data, which breaks
+        # torch.compile's graph.)
+        counts = torch.ones(batch * num_dst, dtype=torch.int64, device=device)
+        counts.index_add_(0, self.merged_slots, torch.ones_like(self.merged_slots))
         self.counts = counts.to(dtype)[:, None]
         # Output token p of batch row b is row unmerge_rows[b * N + p] of the merged tensor.
         source = torch.empty(batch, tokens, dtype=torch.int64, device=device)
@@ -228,24 +236,27 @@ class _RowPlan:
         return rows.view(self.batch, self.tokens, channels)
 
 
+def draw_cells(
+    w: int, h: int, sx: int, sy: int, generator: Optional[torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """tomesd's random choice of each whole ``sx x sy`` cell's destination: ``[h // sy, w // sx,
+    1]`` indices into the cell, drawn from ``generator``."""
+    gen_device = generator.device if generator is not None else "cpu"
+    return torch.randint(
+        sy * sx, size=(h // sy, w // sx, 1), device=gen_device, generator=generator
+    ).to(device)
+
+
 def _split_indices(
-    w: int,
-    h: int,
-    sx: int,
-    sy: int,
-    no_rand: bool,
-    generator: Optional[torch.Generator],
-    device: torch.device,
+    w: int, h: int, sx: int, sy: int, cells: Optional[torch.Tensor], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token indices of the sources and the destinations (one per whole ``sx x sy`` cell)."""
+    """Token indices of the sources and the destinations (one per whole ``sx x sy`` cell;
+    ``cells`` chooses it in each, None: the top-left token)."""
     hsy, wsx = h // sy, w // sx
-    if no_rand:
+    if cells is None:
         rand_idx = torch.zeros(hsy, wsx, 1, device=device, dtype=torch.int64)
     else:
-        gen_device = generator.device if generator is not None else "cpu"
-        rand_idx = torch.randint(
-            sy * sx, size=(hsy, wsx, 1), device=gen_device, generator=generator
-        ).to(device)
+        rand_idx = cells
     # Destinations are -1, sources 0, so a (stable) argsort lists destinations first.
     cells = torch.zeros(hsy, wsx, sy * sx, device=device, dtype=torch.int64)
     cells.scatter_(dim=2, index=rand_idx, src=-torch.ones_like(rand_idx, dtype=rand_idx.dtype))
@@ -262,7 +273,14 @@ def _split_indices(
 
 # --------------------------------------------------------------------------- attaching it
 class _State:
-    """Per-model state: the options, the generator, the latent size and the hook handles."""
+    """Per-model state: the options, the generator, the latent size, this call's destination
+    draws and the hook handles.
+
+    The draws happen in the UNet's pre-hook, outside torch.compile's graphs (dynamo cannot
+    trace a torch.Generator: a draw inside a block broke the graph in a loop, and dynamo then
+    ran the whole UNet eagerly): one per merging block, in the order the blocks run, so the
+    generator advances exactly as tomesd's per-block draws do.
+    """
 
     def __init__(self, options: TokenMergingOptions, max_downsample: int) -> None:
         self.options = options
@@ -271,29 +289,70 @@ class _State:
         self.size: Optional[tuple[int, int]] = None
         self.handles: list[Any] = []
         self.blocks = 0
+        self.block_downsamples: list[Optional[int]] = []  # per hooked block, in call order
+        self._draws = TensorStore()  # this call's cells, by block index
 
-    def merge_functions(self, x: torch.Tensor) -> tuple[Merge, Merge]:
-        """tomesd's ``compute_merge``: merge/unmerge for one block's input ``x``."""
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # States pickled before the draws moved to the pre-hook: their blocks draw when called.
+        self.__dict__.update(state)
+        self.__dict__.setdefault("block_downsamples", [])
+        if "_draws" not in state:
+            self._draws = TensorStore()
+
+    def geometry(self, tokens: int, batch: int) -> Optional[tuple[int, int, int, bool]]:
+        """tomesd's ``compute_merge`` geometry for a block input of ``tokens`` tokens: (w, h,
+        r, random destinations), None where the block's resolution does not merge."""
         if self.size is None:
             raise RuntimeError("token merging: the UNet's input size is unknown (call the UNet)")
         height, width = self.size
-        downsample = int(math.ceil(math.sqrt(height * width // x.shape[1])))
+        downsample = int(math.ceil(math.sqrt(height * width // tokens)))
         if downsample > self.max_downsample:
-            return _identity, _identity
+            return None
         w = int(math.ceil(width / downsample))
         h = int(math.ceil(height / downsample))
-        r = int(x.shape[1] * self.options.ratio)
+        r = int(tokens * self.options.ratio)
         # An odd batch cannot hold matching conditional/unconditional halves (tomesd's rule).
-        use_rand = self.options.use_rand and x.shape[0] % 2 == 0
+        use_rand = self.options.use_rand and batch % 2 == 0
+        return w, h, r, use_rand
+
+    def draws(self, geometry: Optional[tuple[int, int, int, bool]]) -> bool:
+        """Whether a merge of this geometry draws random destinations (as
+        :func:`bipartite_soft_matching_random2d` does)."""
+        if geometry is None:
+            return False
+        w, h, r, use_rand = geometry
+        return use_rand and r > 0 and w >= self.options.sx and h >= self.options.sy
+
+    def begin_call(self, sample: torch.Tensor) -> None:
+        """The latent size, and every merging block's random destinations for this call."""
+        height, width = sample.shape[2], sample.shape[3]
+        self.size = (height, width)
+        draws = self._draws.tensors
+        draws.clear()
+        for index, downsample in enumerate(self.block_downsamples):
+            if downsample is None:  # not found in the UNet's block order: drawn in the block
+                continue
+            tokens = math.ceil(height / downsample) * math.ceil(width / downsample)
+            geometry = self.geometry(tokens, sample.shape[0])
+            if self.draws(geometry):
+                w, h = geometry[0], geometry[1]
+                options = self.options
+                draws[index] = draw_cells(w, h, options.sx, options.sy, self.generator, "cpu")
+
+    def merge_functions(self, x: torch.Tensor, index: Optional[int]) -> tuple[Merge, Merge]:
+        """tomesd's ``compute_merge``: merge/unmerge for hooked block ``index``'s input ``x``."""
+        geometry = self.geometry(x.shape[1], x.shape[0])
+        if geometry is None:
+            return _identity, _identity
+        w, h, r, use_rand = geometry
+        sx, sy = self.options.sx, self.options.sy
+        cells = self._draws.tensors.get(index) if use_rand else None
+        if cells is not None:
+            cells = cells.to(x.device)
+            if tuple(cells.shape[:2]) != (h // sy, w // sx):  # not the geometry foreseen
+                cells = None
         return bipartite_soft_matching_random2d(
-            x,
-            w,
-            h,
-            self.options.sx,
-            self.options.sy,
-            r,
-            no_rand=not use_rand,
-            generator=self.generator,
+            x, w, h, sx, sy, r, no_rand=not use_rand, generator=self.generator, cells=cells
         )
 
 
@@ -325,27 +384,35 @@ class _Slot:
         return (_Slot, ())  # a copy starts empty
 
 
-class _RememberSize:
-    """The UNet's pre-hook: the latent size, which tells each block its downsampling."""
+class _BeginCall:
+    """The UNet's pre-hook: the latent size, which tells each block its downsampling, and the
+    call's random draws (eager: see :class:`_State`)."""
 
     def __init__(self, state: _State) -> None:
         self.state = state
 
+    @torch.compiler.disable
     def __call__(self, _unet, args, kwargs):
-        sample = _first_arg(args, kwargs, "sample")
-        self.state.size = (sample.shape[2], sample.shape[3])
+        self.state.begin_call(_first_arg(args, kwargs, "sample"))
+
+
+class _RememberSize(_BeginCall):
+    """The pre-hook's name in models pickled before the draws moved into it."""
 
 
 class _ComputeMerge:
     """A block's pre-hook: merge/unmerge functions from the block's input."""
 
-    def __init__(self, state: _State, slot: _Slot) -> None:
+    index: Optional[int] = None  # hooks pickled before blocks had an index draw when called
+
+    def __init__(self, state: _State, slot: _Slot, index: int) -> None:
         self.state = state
         self.slot = slot
+        self.index = index
 
     def __call__(self, _block, args, kwargs):
         x = _first_arg(args, kwargs, "hidden_states")
-        self.slot.merge, self.slot.unmerge = self.state.merge_functions(x)
+        self.slot.merge, self.slot.unmerge = self.state.merge_functions(x, self.index)
 
 
 class _Forget:
@@ -381,7 +448,7 @@ def _hook_merge_around(module: torch.nn.Module, slot: _Slot, state: _State) -> N
     state.handles.append(module.register_forward_hook(_UnmergeOutput(slot)))
 
 
-def _hook_block(block: torch.nn.Module, state: _State) -> None:
+def _hook_block(block: torch.nn.Module, state: _State, index: int) -> None:
     options = state.options
     if options.merge_mlp and getattr(block, "_chunk_size", None) is not None:
         raise ValueError(
@@ -390,7 +457,7 @@ def _hook_block(block: torch.nn.Module, state: _State) -> None:
         )
     slot = _Slot()
     state.handles.append(
-        block.register_forward_pre_hook(_ComputeMerge(state, slot), with_kwargs=True)
+        block.register_forward_pre_hook(_ComputeMerge(state, slot, index), with_kwargs=True)
     )
     state.handles.append(block.register_forward_hook(_Forget(slot)))
     targets = [
@@ -425,10 +492,26 @@ def _highest_attention_downsample(unet: torch.nn.Module) -> int:
     )
 
 
-def _transformer_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
+def _transformer_blocks(unet: torch.nn.Module) -> list[tuple[torch.nn.Module, Optional[int]]]:
+    """Every transformer block with its downsampling, in the order the UNet calls them (down
+    blocks, mid block, up blocks; None for blocks outside those, which draw when called)."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    return [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+    def blocks_in(module: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in module.modules() if isinstance(m, BasicTransformerBlock)]
+
+    ordered: list[tuple[torch.nn.Module, Optional[int]]] = []
+    downsample = 1
+    for block in unet.down_blocks:
+        ordered += [(b, downsample) for b in blocks_in(block)]
+        downsample *= 2 if getattr(block, "downsamplers", None) else 1
+    if unet.mid_block is not None:
+        ordered += [(b, downsample) for b in blocks_in(unet.mid_block)]
+    for block in unet.up_blocks:
+        ordered += [(b, downsample) for b in blocks_in(block)]
+        downsample //= 2 if getattr(block, "upsamplers", None) else 1
+    seen = {id(b) for b, _ in ordered}
+    return ordered + [(b, None) for b in blocks_in(unet) if id(b) not in seen]
 
 
 def check_token_merging(target: Any, options: Any) -> TokenMergingOptions:
@@ -461,10 +544,11 @@ def apply_token_merging(target: Any, options: Any) -> dict[str, Any]:
     max_downsample = options.max_downsample or _highest_attention_downsample(unet)
     remove_token_merging(unet)
     state = _State(options, max_downsample)
-    state.handles.append(unet.register_forward_pre_hook(_RememberSize(state), with_kwargs=True))
+    state.handles.append(unet.register_forward_pre_hook(_BeginCall(state), with_kwargs=True))
     try:
-        for block in blocks:
-            _hook_block(block, state)
+        for index, (block, downsample) in enumerate(blocks):
+            _hook_block(block, state, index)
+            state.block_downsamples.append(downsample)
     except Exception:
         _remove_handles(state)
         raise
