@@ -20,7 +20,10 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 
 Every competitor runs in this process on the same inputs with the same thread count,
 interleaved (round-robin) after a warm-up; compile and conversion times are reported
-separately; the table gives medians and ratios to the baseline and names the machine.
+separately; the table gives medians and ratios to the baseline and names the machine. Below
+it, the step's attention calls replayed alone with each kernel predict the ``eager tiled``
+step from the ``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the
+measured one.
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
@@ -182,6 +185,7 @@ def run(args) -> dict:
     from ..graph.mode import compile as compile_components
     from ..runtime import controls as _runtime
     from ..runtime.extension import _C
+    from .attention_share import record_attention_calls, step_prediction
     from .bench_report import machine_info
     from .pipelines import vae_scale_factor
 
@@ -242,6 +246,14 @@ def run(args) -> dict:
             times[name].append(time.perf_counter() - start)
     _set_heap_reuse("", None)
     medians = {n: statistics.median(t) for n, t in times.items()}
+    # What the attention kernel's own speed-up predicts for the tiled step (one more sdpa step
+    # records its attention calls, which are then replayed alone).
+    calls = record_attention_calls(runners[BASELINE])
+    prediction = None
+    if calls:
+        prediction = step_prediction(
+            medians[BASELINE], medians["eager tiled"], calls, rounds=max(3, args.repeats)
+        )
     return {
         "machine": machine_info(threads),
         "model": args.model,
@@ -252,6 +264,7 @@ def run(args) -> dict:
         "all_seconds": times,
         "setup_seconds": setup_seconds,
         "speedup_vs_baseline": {n: medians[BASELINE] / m for n, m in medians.items()},
+        "tiled_step_prediction": prediction,
     }
 
 
@@ -369,12 +382,19 @@ def prepare_graph_config(weights, strategy: str, options: dict, embeds: dict, si
 
 
 def check_image_configs(pipe, model: str, configs=IMAGE_CONFIGS) -> None:
-    """Checks every configuration's acceleration against the model before anything is timed:
-    a method that does not apply to the model fails here, naming the configuration, instead of
-    after the configurations before it have run (ConfigurationError)."""
+    """Checks every configuration's attention strategy and acceleration against the model
+    before anything is timed: a strategy that cannot run on the model's device or a method that
+    does not apply to the model fails here, naming the configuration, instead of after the
+    configurations before it have run (ConfigurationError)."""
     from ..accel.registry import check_acceleration
+    from ..attention.strategies import unavailable_reason
+    from .pipelines import denoiser
 
-    for label, _, options in configs:
+    device = next(denoiser(pipe).parameters()).device
+    for label, strategy, options in configs:
+        reason = unavailable_reason(strategy, device)
+        if reason is not None:
+            raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {reason}")
         options = {k: v for k, v in options.items() if k != GRAPH}
         if not options:  # (no options would check the environment's)
             continue
@@ -599,6 +619,10 @@ def markdown(report: dict) -> str:
             f"| {name} | {seconds:.2f} | {report['speedup_vs_baseline'][name]:.2f}x | "
             f"{'-' if setup is None else f'{setup:.0f}'} |"
         )
+    if report.get("tiled_step_prediction"):
+        from .attention_share import prediction_markdown
+
+        lines += ["", prediction_markdown(report["tiled_step_prediction"])]
     return "\n".join(lines)
 
 

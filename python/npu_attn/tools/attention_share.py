@@ -1,0 +1,169 @@
+"""How much of a denoising step is attention, and what a faster attention kernel should give.
+
+``bench --e2e`` measures whole UNet steps; this module explains them. It records every call
+the diffusers default step makes to ``torch.nn.functional.scaled_dot_product_attention``
+(shapes, strides, dtype, flags), replays those calls alone with torch's SDPA and with
+npu_attn's ``tiled`` kernel (fresh tensors of the same layouts, interleaved rounds, medians),
+and predicts the ``tiled`` step from the ``sdpa`` step:
+
+    predicted = sdpa step - attention time x (1 - 1 / attention speed-up)
+
+A measured ``tiled`` step close to the prediction says the speed-up reaches the step intact;
+one slower than predicted says something around the kernel costs time (layout copies,
+dispatch, cache effects of a long step on the other operators).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One kind of SDPA call: the tensors' shapes and strides, the dtype and the flags."""
+
+    shapes: tuple[tuple[int, ...], ...]  # query, key, value
+    strides: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    is_causal: bool
+    scale: Optional[float]
+    enable_gqa: bool
+
+    def label(self) -> str:
+        (b, h, lq, d), (_, hk, lk, _), (_, _, _, dv) = self.shapes
+        heads = f"H{h}" if h == hk else f"H{h}/{hk}"
+        values = "" if dv == d else f" Dv{dv}"
+        return f"B{b} {heads} Lq{lq} Lk{lk} D{d}{values}"
+
+
+def record_attention_calls(step: Callable[[], Any]) -> Counter:
+    """The SDPA calls one run of ``step`` makes, counted by kind. Calls with a mask, dropout
+    or other than 4-D tensors are left out (the diffusers UNets make none)."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    calls: Counter = Counter()
+
+    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        plain = attn_mask is None and dropout_p == 0.0 and set(kw) <= {"scale", "enable_gqa"}
+        if plain and query.dim() == key.dim() == value.dim() == 4:
+            tensors = (query, key, value)
+            calls[
+                AttentionCall(
+                    shapes=tuple(tuple(t.shape) for t in tensors),
+                    strides=tuple(t.stride() for t in tensors),
+                    dtype=query.dtype,
+                    is_causal=bool(is_causal),
+                    scale=kw.get("scale"),
+                    enable_gqa=bool(kw.get("enable_gqa", False)),
+                )
+            ] += 1
+        return original(query, key, value, attn_mask, dropout_p, is_causal, **kw)
+
+    functional.scaled_dot_product_attention = recording
+    try:
+        step()
+    finally:
+        functional.scaled_dot_product_attention = original
+    return calls
+
+
+def _tensors(call: AttentionCall, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Fresh random query, key and value with the recorded shapes and strides."""
+    tensors = []
+    for shape, stride in zip(call.shapes, call.strides):
+        t = torch.empty_strided(shape, stride, dtype=call.dtype)
+        tensors.append(t.copy_(torch.randn(shape, generator=generator)))
+    return tuple(tensors)
+
+
+def _runner(call: AttentionCall, strategy: str, tensors: tuple) -> Callable[[], Any]:
+    from ..attention.functional import scaled_dot_product_attention
+
+    flags = {"is_causal": call.is_causal, "scale": call.scale, "enable_gqa": call.enable_gqa}
+    if strategy == "sdpa":
+        return lambda: torch.nn.functional.scaled_dot_product_attention(*tensors, **flags)
+    return lambda: scaled_dot_product_attention(*tensors, backend=strategy, **flags)
+
+
+def attention_seconds(
+    calls: Counter, strategies: tuple[str, ...] = ("sdpa", "tiled"), rounds: int = 5
+) -> dict[str, dict[str, float]]:
+    """Per strategy: seconds of each kind of call (median of ``rounds`` interleaved rounds,
+    after a warm-up) times its count, by :meth:`AttentionCall.label`, and ``"total"``."""
+    generator = torch.Generator().manual_seed(0)
+    runners = {}
+    for call in calls:
+        tensors = _tensors(call, generator)
+        for strategy in strategies:
+            runners[(strategy, call)] = _runner(call, strategy, tensors)
+    times: dict[tuple, list[float]] = {key: [] for key in runners}
+    with torch.no_grad():
+        for run in runners.values():
+            run()  # warm-up: first-call costs (variant choice, allocations)
+        for _ in range(rounds):
+            for key, run in runners.items():
+                start = time.perf_counter()
+                run()
+                times[key].append(time.perf_counter() - start)
+    seconds: dict[str, dict[str, float]] = {s: {} for s in strategies}
+    for (strategy, call), samples in times.items():
+        label = call.label()
+        per_kind = statistics.median(samples) * calls[call]
+        seconds[strategy][label] = seconds[strategy].get(label, 0.0) + per_kind
+    for strategy in strategies:
+        seconds[strategy]["total"] = sum(seconds[strategy].values())
+    return seconds
+
+
+def predicted_step(sdpa_step: float, sdpa_attention: float, speedup: float) -> float:
+    """The step time ``tiled`` should reach: the ``sdpa`` step with its attention time divided
+    by the attention speed-up."""
+    return sdpa_step - sdpa_attention * (1.0 - 1.0 / speedup)
+
+
+def step_prediction(
+    sdpa_step: float, measured_step: float, calls: Counter, rounds: int = 5
+) -> dict[str, Any]:
+    """The prediction for the ``tiled`` step and how the measured one compares."""
+    seconds = attention_seconds(calls, rounds=rounds)
+    sdpa_attention, tiled_attention = seconds["sdpa"]["total"], seconds["tiled"]["total"]
+    speedup = sdpa_attention / tiled_attention
+    predicted = predicted_step(sdpa_step, sdpa_attention, speedup)
+    return {
+        "calls": sum(calls.values()),
+        "attention_seconds": seconds,
+        "attention_share_of_sdpa_step": sdpa_attention / sdpa_step,
+        "attention_speedup": speedup,
+        "sdpa_step": sdpa_step,
+        "predicted_tiled_step": predicted,
+        "measured_tiled_step": measured_step,
+        "measured_vs_predicted": measured_step / predicted - 1.0,
+    }
+
+
+def prediction_markdown(prediction: dict[str, Any]) -> str:
+    """The prediction as a short table and one line of conclusion."""
+    seconds = prediction["attention_seconds"]
+    lines = [
+        "| attention calls of one step | sdpa s | tiled s | speed-up |",
+        "|---|---|---|---|",
+    ]
+    for label in seconds["sdpa"]:
+        sdpa, tiled = seconds["sdpa"][label], seconds["tiled"][label]
+        name = f"**{label}** ({prediction['calls']} calls)" if label == "total" else label
+        lines.append(f"| {name} | {sdpa:.3f} | {tiled:.3f} | {sdpa / tiled:.2f}x |")
+    lines.append("")
+    lines.append(
+        f"Attention is {prediction['attention_share_of_sdpa_step']:.0%} of the sdpa step "
+        f"({prediction['sdpa_step']:.2f} s); with its {prediction['attention_speedup']:.2f}x "
+        f"the tiled step should take {prediction['predicted_tiled_step']:.2f} s and took "
+        f"{prediction['measured_tiled_step']:.2f} s "
+        f"({prediction['measured_vs_predicted']:+.1%} against the prediction)."
+    )
+    return "\n".join(lines)
