@@ -252,3 +252,19 @@ def test_transformer_graph_mode(tmp_path):
         "compiled tiled (frozen)",
     ]
     assert report["psnr_db_vs_baseline"]["compiled tiled (frozen)"] > 60  # exact
+
+
+def test_configurations_whose_strategy_cannot_run_on_the_device_are_refused_first():
+    """A pipeline off the CPU (here on the meta device, standing in for an NPU) cannot run the
+    tiled or int8 configurations: refused before anything runs, and the web UI's compare tab
+    does not offer them."""
+    from npu_attn.tools.ui import compare_labels
+
+    pipe = build_pipeline("tiny")
+    pipe.unet.to("meta")
+    with pytest.raises(ConfigurationError, match="'tiled' cannot run on tiny: the tiled kernel"):
+        check_image_configs(pipe, "tiny")
+    check_image_configs(pipe, "tiny", IMAGE_CONFIGS[:1] + IMAGE_CONFIGS[2:6])  # sdpa ones run
+    on_cpu, off_cpu = compare_labels("tiny"), compare_labels("tiny", torch.device("meta"))
+    assert {"tiled", "int8 (lossy attention)"} <= set(on_cpu)
+    assert off_cpu == [label for label, strategy, _ in IMAGE_CONFIGS if strategy == "sdpa"]

@@ -362,6 +362,23 @@ def test_graph_mode_applies_for_the_generation_only(mode):
     assert compiled_components(studio.pipeline(request)) == {}  # eager afterwards
 
 
+def test_graph_mode_requests_release_their_compiled_code(monkeypatch):
+    """Every compile request compiles afresh; its compiled code is dropped afterwards, so a
+    long-running server never reaches dynamo's recompile limit (and silently runs eagerly)."""
+    import torch
+
+    from npu_attn.tools.studio import configured
+
+    resets = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(True))
+    studio = Studio()
+    for accelerations in ((), ("compile",), ("freeze",)):
+        request = Request(model="tiny", strategy="tiled", accelerations=accelerations)
+        with configured(studio.pipeline(request), request):
+            pass
+    assert resets == [True, True]  # the two graph-mode requests only
+
+
 @pytest.mark.parametrize("model", ["sd15", "flux", "hidream"])
 def test_full_width_models_generate_one_step(model):
     """The page's full-size SD-1.5 and the full-width, reduced-depth Flux and HiDream-I1 (random
@@ -448,3 +465,13 @@ def save_screenshot(png: bytes, path: Path) -> None:
     image = Image.open(io.BytesIO(png)).convert("RGB")
     path.parent.mkdir(parents=True, exist_ok=True)
     image.quantize(colors=256).save(path, optimize=True)
+
+
+@pytest.mark.parametrize(("model", "heads"), [("sd15", 8), ("sd21", 5), ("sdxl", 10)])
+def test_memory_estimates_count_the_heads_the_unet_really_has(model, heads):
+    """UNet configs name the head count attention_head_dim (diffusers' legacy naming): SD-1.5
+    has 8 heads of 40 at 64x64, SD-2.1 5 of 64, SDXL 10 of 64 at its first attention level."""
+    from npu_attn.tools.pipelines import FAMILIES, architecture_summary, attention_geometry
+
+    config = architecture_summary(model)[1]
+    assert attention_geometry(FAMILIES[model], config, 64)[2] == heads

@@ -677,7 +677,12 @@ def attention_geometry(family: Optional[str], config, latent: int) -> tuple[int,
         down = list(get("down_block_types", ("CrossAttnDownBlock2D",)))
         level = next((i for i, t in enumerate(down) if "CrossAttn" in t), 0)
         width = get("block_out_channels", (320,))[level]
-        return (latent // 2**level) ** 2, width, max(1, width // 64)
+        # diffusers' legacy naming: without num_attention_heads, UNet configs give the head
+        # count as attention_head_dim (SD-1.5: 8 heads of 40), per level or for all levels.
+        heads = get("num_attention_heads") or get("attention_head_dim") or max(1, width // 64)
+        if isinstance(heads, (list, tuple)):
+            heads = heads[level]
+        return (latent // 2**level) ** 2, width, heads
     text = {"sd3": SD3_TEXT_TOKENS, "flux": FLUX_TEXT_TOKENS, "hidream": 2 * HIDREAM_TEXT_TOKENS}
     patch = 2 if family == "flux" else get("patch_size", 1)
     heads = get("num_attention_heads")

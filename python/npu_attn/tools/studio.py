@@ -491,6 +491,12 @@ def configured(pipe, request: Request) -> Iterator[list]:
         restore()
         if compiling:
             reset_compile(pipe)
+            # Each request compiles afresh. The released graphs' code would otherwise pile up
+            # on graph mode's one entry function until dynamo's recompile limit (8), after
+            # which requests would silently run eagerly.
+            import torch
+
+            torch.compiler.reset()
         reset_acceleration(pipe)
 
 

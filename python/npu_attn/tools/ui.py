@@ -59,12 +59,15 @@ def model_choices(dtype: str) -> list[tuple[str, str]]:
     ]
 
 
-def compare_labels(model: str) -> list[str]:
-    """The benchmark configurations of the model's family (bench_e2e.image_configs)."""
+def compare_labels(model: str, device=None) -> list[str]:
+    """The benchmark configurations of the model's family (bench_e2e.image_configs) whose
+    attention strategy runs on ``device`` (None: the CPU)."""
+    from ..attention.strategies import unavailable_reason
     from .bench_e2e import image_configs
 
     family = FAMILIES.get(model, "sd")
-    return [label for label, _, _ in image_configs(family, graph=False)]
+    configs = image_configs(family, graph=False)
+    return [label for label, strategy, _ in configs if unavailable_reason(strategy, device) is None]
 
 
 def timing_markdown(images: list[GeneratedImage], total: int) -> str:
@@ -159,7 +162,7 @@ def build_app(studio: Studio, default_model: str = "tiny"):
                 page.gallery = gr.Gallery(label="images", columns=4, height=360, elem_id="gallery")
                 page.timing = gr.Markdown(elem_id="timing")
         with gr.Tab("Compare"):
-            compare_tab(gr, page, default_model)
+            compare_tab(gr, page, default_model, studio.dm.device)
         with gr.Accordion("device", open=True):
             page.device = gr.Markdown(device_markdown(studio), elem_id="device")
         connect(gr, page, studio)
@@ -221,12 +224,12 @@ def generate_settings(gr, page, studio: Studio, default_model: str) -> None:
             page.cancel = gr.Button("Cancel", variant="stop", elem_id="cancel")
 
 
-def compare_tab(gr, page, default_model: str) -> None:
+def compare_tab(gr, page, default_model: str, device) -> None:
     gr.Markdown(
         "The same seed under each configuration, interleaved after a 1-step warm-up of each "
         "(the benchmark of `bench --e2e --images`); the diffusers default is the exact reference."
     )
-    labels = compare_labels(default_model)
+    labels = compare_labels(default_model, device)
     with gr.Row():
         page.compare_configs = gr.CheckboxGroup(labels, value=labels[:2], label="configurations")
         with gr.Column():
@@ -345,7 +348,7 @@ def handlers(gr, studio: Studio):
     def model_changed(model):
         size = ARCHITECTURES[model][1] if model in ARCHITECTURES else 0
         taken = applicable_accelerations(model)
-        labels = compare_labels(model)
+        labels = compare_labels(model, studio.dm.device)
         local = model == LOCAL_MODEL
         return (
             *(gr.update(visible=name in taken, value=False) for name in ACCELERATIONS),
