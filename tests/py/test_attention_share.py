@@ -18,8 +18,6 @@ from npu_attn.tools.attention_share import (
 )
 from tiny_accel_models import run, tiny_sd15_unet
 
-TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
-
 
 def attention_modules(unet) -> int:
     from diffusers.models.attention_processor import Attention
@@ -30,9 +28,10 @@ def attention_modules(unet) -> int:
 def test_one_default_step_records_every_attention_call_with_its_layout():
     unet = tiny_sd15_unet()
     npu_attn.reset_attention_strategy(unet)
+    before = torch.nn.functional.scaled_dot_product_attention  # (npu_attn's shim, once used)
     calls = record_attention_calls(lambda: run(unet))
     assert sum(calls.values()) == attention_modules(unet)  # one call per attention module
-    assert torch.nn.functional.scaled_dot_product_attention is TORCH_SDPA
+    assert torch.nn.functional.scaled_dot_product_attention is before
     for call in calls:
         (b, h, lq, d), (_, _, lk, _), _ = call.shapes
         assert call.dtype == torch.float32 and not call.is_causal
@@ -47,9 +46,10 @@ def test_the_recorder_is_removed_when_the_step_fails():
     def failing_step():
         raise RuntimeError("boom")
 
+    before = torch.nn.functional.scaled_dot_product_attention
     with pytest.raises(RuntimeError, match="boom"):
         record_attention_calls(failing_step)
-    assert torch.nn.functional.scaled_dot_product_attention is TORCH_SDPA
+    assert torch.nn.functional.scaled_dot_product_attention is before
 
 
 def test_calls_with_a_mask_are_not_recorded():
