@@ -9,7 +9,7 @@ import torch
 import npu_attn
 from npu_attn.tools import attention_share
 from npu_attn.tools.attention_share import (
-    AttentionCall,
+    RecordedCall,
     attention_seconds,
     predicted_step,
     prediction_markdown,
@@ -65,7 +65,7 @@ def test_calls_with_a_mask_are_not_recorded():
 
 
 def test_replayed_seconds_add_up_per_kind_and_count():
-    call = AttentionCall(
+    call = RecordedCall(
         shapes=((2, 2, 64, 40), (2, 2, 77, 40), (2, 2, 77, 40)),
         strides=((5120, 2560, 40, 1), (6160, 3080, 40, 1), (6160, 3080, 40, 1)),
         dtype=torch.float32,

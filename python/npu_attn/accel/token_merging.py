@@ -138,7 +138,7 @@ def bipartite_soft_matching_random2d(
     drawing them here from ``generator``.
     """
     batch, tokens, _ = metric.shape
-    if r <= 0 or w < sx or h < sy:  # nothing to merge, or no whole cell (tomesd would fail)
+    if not _merges(w, h, sx, sy, r):
         return _identity, _identity
     with torch.no_grad():
         if cells is None and not no_rand:
@@ -236,6 +236,12 @@ class _RowPlan:
         return rows.view(self.batch, self.tokens, channels)
 
 
+def _merges(w: int, h: int, sx: int, sy: int, r: int) -> bool:
+    """Whether a merge removes anything: tokens to remove and at least one whole cell (tomesd
+    would fail without one)."""
+    return r > 0 and w >= sx and h >= sy
+
+
 def draw_cells(
     w: int, h: int, sx: int, sy: int, generator: Optional[torch.Generator], device: torch.device
 ) -> torch.Tensor:
@@ -321,7 +327,7 @@ class _State:
         if geometry is None:
             return False
         w, h, r, use_rand = geometry
-        return use_rand and r > 0 and w >= self.options.sx and h >= self.options.sy
+        return use_rand and _merges(w, h, self.options.sx, self.options.sy, r)
 
     def begin_call(self, sample: torch.Tensor) -> None:
         """The latent size, and every merging block's random destinations for this call."""
@@ -337,7 +343,9 @@ class _State:
             if self.draws(geometry):
                 w, h = geometry[0], geometry[1]
                 options = self.options
-                draws[index] = draw_cells(w, h, options.sx, options.sy, self.generator, "cpu")
+                draws[index] = draw_cells(
+                    w, h, options.sx, options.sy, self.generator, sample.device
+                )
 
     def merge_functions(self, x: torch.Tensor, index: Optional[int]) -> tuple[Merge, Merge]:
         """tomesd's ``compute_merge``: merge/unmerge for hooked block ``index``'s input ``x``."""
@@ -347,10 +355,8 @@ class _State:
         w, h, r, use_rand = geometry
         sx, sy = self.options.sx, self.options.sy
         cells = self._draws.tensors.get(index) if use_rand else None
-        if cells is not None:
-            cells = cells.to(x.device)
-            if tuple(cells.shape[:2]) != (h // sy, w // sx):  # not the geometry foreseen
-                cells = None
+        if cells is not None and tuple(cells.shape[:2]) != (h // sy, w // sx):
+            cells = None  # not the geometry foreseen: drawn now
         return bipartite_soft_matching_random2d(
             x, w, h, sx, sy, r, no_rand=not use_rand, generator=self.generator, cells=cells
         )

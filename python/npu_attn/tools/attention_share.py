@@ -15,17 +15,17 @@ dispatch, cache effects of a long step on the other operators).
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from ..runtime.timing import interleaved_medians
+
 
 @dataclass(frozen=True)
-class AttentionCall:
+class RecordedCall:
     """One kind of SDPA call: the tensors' shapes and strides, the dtype and the flags."""
 
     shapes: tuple[tuple[int, ...], ...]  # query, key, value
@@ -54,7 +54,7 @@ def record_attention_calls(step: Callable[[], Any]) -> Counter:
         if plain and query.dim() == key.dim() == value.dim() == 4:
             tensors = (query, key, value)
             calls[
-                AttentionCall(
+                RecordedCall(
                     shapes=tuple(tuple(t.shape) for t in tensors),
                     strides=tuple(t.stride() for t in tensors),
                     dtype=query.dtype,
@@ -73,7 +73,7 @@ def record_attention_calls(step: Callable[[], Any]) -> Counter:
     return calls
 
 
-def _tensors(call: AttentionCall, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _tensors(call: RecordedCall, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     """Fresh random query, key and value with the recorded shapes and strides."""
     tensors = []
     for shape, stride in zip(call.shapes, call.strides):
@@ -82,7 +82,7 @@ def _tensors(call: AttentionCall, generator: torch.Generator) -> tuple[torch.Ten
     return tuple(tensors)
 
 
-def _runner(call: AttentionCall, strategy: str, tensors: tuple) -> Callable[[], Any]:
+def _runner(call: RecordedCall, strategy: str, tensors: tuple) -> Callable[[], Any]:
     from ..attention.functional import scaled_dot_product_attention
 
     flags = {"is_causal": call.is_causal, "scale": call.scale, "enable_gqa": call.enable_gqa}
@@ -95,26 +95,19 @@ def attention_seconds(
     calls: Counter, strategies: tuple[str, ...] = ("sdpa", "tiled"), rounds: int = 5
 ) -> dict[str, dict[str, float]]:
     """Per strategy: seconds of each kind of call (median of ``rounds`` interleaved rounds,
-    after a warm-up) times its count, by :meth:`AttentionCall.label`, and ``"total"``."""
+    after a warm-up) times its count, by :meth:`RecordedCall.label`, and ``"total"``."""
     generator = torch.Generator().manual_seed(0)
     runners = {}
     for call in calls:
         tensors = _tensors(call, generator)
         for strategy in strategies:
             runners[(strategy, call)] = _runner(call, strategy, tensors)
-    times: dict[tuple, list[float]] = {key: [] for key in runners}
     with torch.no_grad():
-        for run in runners.values():
-            run()  # warm-up: first-call costs (variant choice, allocations)
-        for _ in range(rounds):
-            for key, run in runners.items():
-                start = time.perf_counter()
-                run()
-                times[key].append(time.perf_counter() - start)
+        medians = interleaved_medians(runners, rounds)
     seconds: dict[str, dict[str, float]] = {s: {} for s in strategies}
-    for (strategy, call), samples in times.items():
+    for (strategy, call), median in medians.items():
         label = call.label()
-        per_kind = statistics.median(samples) * calls[call]
+        per_kind = median * calls[call]
         seconds[strategy][label] = seconds[strategy].get(label, 0.0) + per_kind
     for strategy in strategies:
         seconds[strategy]["total"] = sum(seconds[strategy].values())
