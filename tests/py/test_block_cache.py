@@ -319,6 +319,40 @@ def test_runs_under_torch_compile():
         npu_attn.compile(pipe, "sdpa", fullgraph=True, show_progress=False)
 
 
+def test_graph_mode_with_freezing_compiles_each_kind_of_call_once():
+    """With an interval under graph mode and inductor's freezing (``npu_attn.compile(...,
+    freeze=True)``): three graphs (first call, reusing call, refreshing call), none recompiled
+    by a second generation, and no graph break that makes dynamo run the model eagerly.
+    Caught: the wrappers called ``type(block).forward``, which dynamo cannot call on diffusers'
+    ``maybe_allow_in_graph`` blocks (the model's block loop then ran eagerly); the cache's call
+    counter, read inside the model, was guarded on its value (a recompile per call); and the
+    cached residuals, reached through the model, became frozen constants."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    import npu_attn
+
+    pipe = sd3_pipeline()
+    apply_block_cache(pipe, {"interval": 2})
+    eager = generate_transformer(pipe, steps=STEPS)
+    counter = CompileCounter()
+    counters.clear()
+    try:
+        with torch._inductor.config.patch(freezing=True):
+            npu_attn.compile(pipe, "sdpa", backend=counter, show_progress=False)
+            generate_transformer(pipe, steps=STEPS)
+            graphs = counter.frame_count
+            compiled = generate_transformer(pipe, steps=STEPS)
+    finally:
+        npu_attn.reset_compile(pipe)
+        torch._dynamo.reset()
+    assert 0 < graphs <= 3, f"{graphs} graphs"
+    assert counter.frame_count == graphs, "the second generation recompiled"
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+    assert relative_error(compiled, eager) < 1e-5
+    assert block_cache_of(pipe)["skipped_calls"] == 3 * STEPS // 2
+
+
 # --------------------------------------------------------------------------- options
 @pytest.mark.parametrize(
     ("value", "error", "match"),

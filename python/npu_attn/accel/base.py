@@ -73,20 +73,31 @@ class InstanceForward:
     A module-level class rather than a closure, so that a model carrying it pickles and
     deep-copies (the approach of diffusers_integration's processor wrappers); ``__wrapped__``
     lets ``inspect.signature`` see the real signature.
+
+    The class's ``forward`` function is kept at wrapping time rather than looked up as
+    ``type(module).forward`` at each call: diffusers marks its transformer blocks
+    ``maybe_allow_in_graph``, and dynamo cannot call a method of such a class, so that lookup
+    broke the graph inside the model's block loop and dynamo ran the whole model eagerly.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.previous = module.__dict__.get("forward")  # None: the class's forward
+        self.class_forward = type(module).forward
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "class_forward" not in state:  # pickled before class_forward was kept
+            self.class_forward = type(self.module).forward
 
     def original(self, *args, **kwargs):
         if self.previous is None:
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self.class_forward(self.module, *args, **kwargs)
         return self.previous(*args, **kwargs)
 
     @property
     def __wrapped__(self):
-        return self.previous or type(self.module).forward.__get__(self.module)
+        return self.previous or self.class_forward.__get__(self.module)
 
     def install(self) -> None:
         self.module.forward = self

@@ -50,7 +50,13 @@ from typing import Any, Optional
 import torch
 
 from ..components import StateAttribute, denoiser_of
-from .base import InstanceForward, Method, ModelFamilyError, refuse_other_diffusers_cache
+from .base import (
+    InstanceForward,
+    Method,
+    ModelFamilyError,
+    TensorStore,
+    refuse_other_diffusers_cache,
+)
 
 __all__ = [
     "BlockCacheOptions",
@@ -207,18 +213,61 @@ def _blocks(model: torch.nn.Module, family: _Family) -> list[torch.nn.Module]:
 
 
 # --------------------------------------------------------------------------- the cache
+# A cache from before input shapes were recorded (an old pickle): assume the next call has the
+# size its residual was cached for.
+_UNKNOWN_SHAPE = "unknown"
+
+
+def _stored_tensor(key: str) -> property:
+    def get(cache: _Cache) -> Optional[torch.Tensor]:
+        return cache.store.tensors.get(key)
+
+    def set_(cache: _Cache, value: Optional[torch.Tensor]) -> None:
+        if value is None:
+            cache.store.tensors.pop(key, None)
+        else:
+            cache.store.tensors[key] = value
+
+    return property(get, set_)
+
+
 class _Cache:
-    """What one kind of call (see the module docstring) remembers between calls."""
+    """What one kind of call (see the module docstring) remembers between calls.
+
+    The tensors live in a :class:`TensorStore`, not on this object: reached through the model,
+    graph mode (under inductor's freezing) would make them graph constants guarded on their
+    identity and recompile the model at every refresh."""
+
+    reference = _stored_tensor("reference")  # first block's residual, last full call
+    residual = _stored_tensor("residual")  # the other blocks' residual, same call
+    head_output = _stored_tensor("head_output")  # first block's output, this call
 
     def __init__(self) -> None:
+        self.store = TensorStore()
         self.clear()
         self.last_timestep: Optional[float] = None
 
     def clear(self) -> None:
         self.calls = 0  # calls in this generation
-        self.reference: Optional[torch.Tensor] = None  # first block's residual, last full call
-        self.residual: Optional[torch.Tensor] = None  # the other blocks' residual, same call
-        self.head_output: Optional[torch.Tensor] = None  # first block's output, this call
+        self.store.tensors.clear()
+        self.input_shape: Any = None  # the model input's shape in the call that cached
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "store" in state:
+            self.__dict__.update(state)
+            return
+        # Pickled before the tensors moved to a store: move them there.
+        tensors = {key: state.pop(key, None) for key in ("reference", "residual", "head_output")}
+        self.__dict__.update(state)
+        self.store = TensorStore()
+        self.store.tensors.update({k: v for k, v in tensors.items() if v is not None})
+        self.input_shape = _UNKNOWN_SHAPE
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether the cached residual was computed for a model input of ``shape``."""
+        if self.residual is None:
+            return False
+        return self.input_shape in (shape, _UNKNOWN_SHAPE)
 
 
 class _State:
@@ -236,15 +285,17 @@ class _State:
         self.wrapped: list[InstanceForward] = []
         self.handles: list[Any] = []
 
-    def reuses(self, cache: _Cache, residual: torch.Tensor) -> bool:
-        """Whether this call skips the remaining blocks (``residual``: the first block's)."""
-        if cache.residual is None or cache.reference is None:
+    def reuses_on_schedule(self, cache: _Cache, shape: tuple[int, ...]) -> bool:
+        """With an interval: whether this call (the cache's ``cache.calls``-th of its
+        generation, model input of ``shape``) skips the blocks after the first."""
+        return cache.fits(shape) and (cache.calls - 1) % self.options.interval != 0
+
+    def reuses_on_change(self, cache: _Cache, residual: torch.Tensor) -> bool:
+        """With a threshold: whether this call skips the remaining blocks (``residual``: the
+        first block's)."""
+        if self.options.threshold <= 0 or cache.residual is None or cache.reference is None:
             return False
         if cache.residual.shape != residual.shape:  # another token count: compute
-            return False
-        if self.options.interval is not None:
-            return (cache.calls - 1) % self.options.interval != 0
-        if self.options.threshold <= 0:
             return False
         reference = cache.reference.float()
         change = (residual.float() - reference).abs().mean() / reference.abs().mean()
@@ -266,11 +317,17 @@ def _argument(function: Any, name: str, args: tuple, kwargs: dict) -> Any:
 
 class _BeginCall:
     """The model's forward pre-hook: pick the cache of this kind of call, start a new
-    generation when the timestep did not go down."""
+    generation when the timestep did not go down, and with an interval decide whether the call
+    reuses the cache.
+
+    Host bookkeeping, kept out of graph mode's graphs (``torch.compiler.disable``): traced, its
+    counters would be guarded on their values and recompile the model at every call, and the
+    timestep's ``float`` would break the graph."""
 
     def __init__(self, state: _State) -> None:
         self.state = state
 
+    @torch.compiler.disable
     def __call__(self, model, args, kwargs):
         state = self.state
         forward = type(model).forward
@@ -284,9 +341,18 @@ class _BeginCall:
             cache.clear()  # a new generation
         cache.last_timestep = timestep
         cache.head_output = None
+        cache.calls += 1
         state.current = cache
         state.reusing = False
         state.calls += 1
+        if state.options.interval is not None:
+            hidden = _argument(forward, "hidden_states", args, kwargs)
+            shape = tuple(hidden.shape) if hidden is not None else ()
+            state.reusing = state.reuses_on_schedule(cache, shape)
+            if state.reusing:
+                state.skipped_calls += 1
+            else:
+                cache.input_shape = shape  # the residual this call caches is for this size
 
 
 class _EndCall:
@@ -322,20 +388,35 @@ class _FirstBlockForward(InstanceForward):
         if cache is None:
             return output
         hidden = _hidden_of(output, metadata)
-        residual = (hidden - hidden_in).detach()
-        cache.calls += 1
-        if state.reuses(cache, residual):
-            state.reusing = True
-            state.skipped_calls += 1
-            cached = hidden + cache.residual
-            if not isinstance(output, tuple):
-                return cached
-            output = list(output)
-            output[metadata.return_hidden_states_index] = cached
-            return tuple(output)
-        cache.reference = residual
+        if state.options.interval is None:  # decided on the residual's change
+            residual = (hidden - hidden_in).detach()
+            if _decide_on_change(state, cache, residual):
+                return self._with_cached_residual(output, hidden, cache)
+            cache.reference = residual
+        elif state.reusing:  # decided by _BeginCall
+            return self._with_cached_residual(output, hidden, cache)
         cache.head_output = hidden.detach()
         return output
+
+    def _with_cached_residual(self, output: Any, hidden: torch.Tensor, cache: _Cache) -> Any:
+        cached = hidden + cache.residual
+        if not isinstance(output, tuple):
+            return cached
+        output = list(output)
+        output[self.metadata.return_hidden_states_index] = cached
+        return tuple(output)
+
+
+@torch.compiler.disable
+def _decide_on_change(state: _State, cache: _Cache, residual: torch.Tensor) -> bool:
+    """With a threshold: whether this call reuses the cache, and the bookkeeping if so. A host
+    decision on a tensor's value: graph mode breaks its graph here (the blocks are compiled one
+    by one), as for diffusers' own FirstBlockCache."""
+    reusing = state.reuses_on_change(cache, residual)
+    if reusing:
+        state.reusing = True
+        state.skipped_calls += 1
+    return reusing
 
 
 class _LaterBlockForward(InstanceForward):
