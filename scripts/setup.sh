@@ -36,6 +36,17 @@ echo "==> installing Python dependencies (requirements-dev.txt)"
 # already pinned above).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "tomesd==0.1.3" \
   "DeepCache==0.1.1" 2>&1 | grep -v "^WARNING: Location" || true
+# stable-diffusion.cpp, the per-image benchmark's CPU-native competitor (bench --e2e --images
+# --sdcpp), built from source for this CPU (a few minutes): its test loads the exported SD-1.5
+# with the real engine. If it cannot build here, that test is skipped with the reason.
+if ! .venv/bin/python -c "import stable_diffusion_cpp" 2>/dev/null; then
+  echo "==> building stable-diffusion-cpp-python==0.4.7 (bench extra, from source)"
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" .venv/bin/python -m pip install -q \
+    --disable-pip-version-check --no-deps "stable-diffusion-cpp-python==0.4.7" 2>&1 \
+    | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import stable_diffusion_cpp" 2>/dev/null \
+    || echo "    (it did not build: its test will be skipped)"
+fi
 # The web UI's extra (npu_attn[ui]: Gradio...), its list read from pyproject.toml so the pins
 # live in one place; chromium and chromium-driver above are its browser tests' browser.
 echo "==> installing the web UI's dependencies (the ui extra)"

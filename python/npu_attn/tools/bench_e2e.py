@@ -37,7 +37,10 @@ rounds, one at a time: switching one pipeline between configurations would recom
 switch, and two frozen copies of a full-size model need more memory than one. Its compile
 time is reported apart; its warm-up is an untimed image of up to 4 steps, so the graphs
 DeepCache's cached steps take are compiled too. ``--configs`` picks configurations by label
-(the baseline always runs). The web UI's compare tab runs the same code (compare_images)
+(the baseline always runs). ``--sdcpp f32,q8_0+fa`` adds stable-diffusion.cpp, the CPU-native
+engine, loading the same SD-1.5 from a diffusers folder, interleaved with the eager rounds
+(:mod:`npu_attn.tools.sdcpp`: what it shares with the other rows and what it does not). The
+web UI's compare tab runs the same code (compare_images)
 without the graph-mode ones. ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE
 and Euler scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at
 1024x1024 by default; ``--size`` picks another size. ``--plot`` writes either report as a bar
@@ -47,6 +50,7 @@ chart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -450,7 +454,15 @@ def timed_image(pipe, embeds: dict, steps: int, size: int, seed: int = 0):
 
 
 def compare_images(
-    pipe, configs, embeds: dict, steps: int, size: int, repeats: int, on_round=None, seed: int = 0
+    pipe,
+    configs,
+    embeds: dict,
+    steps: int,
+    size: int,
+    repeats: int,
+    on_round=None,
+    seed: int = 0,
+    external=(),
 ):
     """Each configuration's image seconds (all from `seed`) and its distance from the first
     (exact) configuration's image. Eager configurations are interleaved over `repeats` rounds
@@ -458,12 +470,15 @@ def compare_images(
     a copy of the pipeline, warmed up, timed `repeats` times and released, one at a time (its
     compiled graphs and prepacked weights never share the process with another's: memory,
     and no recompilation inside a timed image).
+    `external`: other engines' runners (``label``, ``image(steps, size, seed) -> (seconds,
+    image)``: sdcpp.SdCppRunner), warmed up and interleaved with the eager configurations;
+    their images come from other samplers and noise, so they get no PSNR (``not_comparable``).
     `on_round(done, total)` is called after each eager round. Returns the report's
     measurements: medians of seconds per image and per denoising step, speed-ups and PSNRs vs
     the first, and each graph-mode configuration's compile + warm-up seconds."""
     from .pipelines import psnr_db
 
-    names = [label for label, _, _ in configs]
+    names = [label for label, _, _ in configs] + [runner.label for runner in external]
     eager = [c for c in configs if not is_graph_config(c[2])]
     graph = [c for c in configs if is_graph_config(c[2])]
     times = {name: [] for name in names}
@@ -481,24 +496,37 @@ def compare_images(
     for _, strategy, options in eager:
         configure(pipe, strategy, options)
         timed_image(pipe, embeds, 1, size)
+    for runner in external:
+        runner.image(1, size, seed)
     for done in range(repeats):
         for label, strategy, options in eager:
             configure(pipe, strategy, options)
             timed(pipe, label)
+        for runner in external:
+            seconds, image = runner.image(steps, size, seed)
+            times[runner.label].append(seconds)
+            images.setdefault(runner.label, image)
         if on_round is not None:
             on_round(done + 1, repeats)
     configure(pipe, "sdpa", {})
     setup_seconds = run_graph_configs(pipe, graph, embeds, size, repeats, timed)
     baseline = names[0]
+    not_comparable = [runner.label for runner in external]
     medians = {n: statistics.median(t) for n, t in times.items()}
     return {
         "seconds_per_image": medians,
-        "seconds_per_step": {n: statistics.median(t) for n, t in loop_times.items()},
+        "seconds_per_step": {n: statistics.median(t) for n, t in loop_times.items() if t},
         "all_seconds": times,
         "speedup_vs_baseline": {n: medians[baseline] / m for n, m in medians.items()},
         "psnr_db_vs_baseline": {
-            n: (None if n == baseline else psnr_db(images[n], images[baseline])) for n in names
+            n: (
+                None
+                if n == baseline or n in not_comparable
+                else psnr_db(images[n], images[baseline])
+            )
+            for n in names
         },
+        "not_comparable": not_comparable,
         "compile_and_warm_up_seconds": setup_seconds,
     }
 
@@ -528,6 +556,23 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
     return setup_seconds
 
 
+def sdcpp_runners(pipe, model: str, weight_types, threads: int, stack) -> list:
+    """stable-diffusion.cpp runners (sdcpp.py) for ``weight_types``, loaded from ``pipe``
+    exported to a temporary folder that ``stack`` removes; ConfigurationError when it cannot
+    run here or on this model."""
+    import tempfile
+
+    from . import sdcpp
+
+    if not weight_types:
+        return []
+    reason = sdcpp.unavailable_reason() or sdcpp.check_pipeline(pipe, model)
+    if reason is not None:
+        raise ConfigurationError(f"--sdcpp: {reason}")
+    folder = sdcpp.export_folder(pipe, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+    return [sdcpp.SdCppRunner.load(folder, w, threads) for w in weight_types]
+
+
 def run_images(args) -> dict:
     """Seconds per image (``--images N`` denoising steps + VAE decode) of a pipeline of any
     family under each of its configurations (image_configs), interleaved after a 1-step
@@ -552,10 +597,22 @@ def run_images(args) -> dict:
     configs = select_configs(configs, getattr(args, "configs", None))
     check_image_configs(pipe, args.model, configs)
     embeds = prompt_embeddings(pipe, dtype, "cpu")
-    with tqdm(total=args.repeats, desc="interleaved rounds", unit="round") as bar:
-        measured = compare_images(
-            pipe, configs, embeds, args.images, args.size, args.repeats, lambda *_: bar.update()
-        )
+    weight_types = getattr(args, "sdcpp", None) or ()
+    with contextlib.ExitStack() as stack:
+        external = sdcpp_runners(pipe, args.model, weight_types, threads, stack)
+        with tqdm(total=args.repeats, desc="interleaved rounds", unit="round") as bar:
+            measured = compare_images(
+                pipe,
+                configs,
+                embeds,
+                args.images,
+                args.size,
+                args.repeats,
+                lambda *_: bar.update(),
+                external=external,
+            )
+    if external:
+        measured["load_seconds"] = {runner.label: runner.load_seconds for runner in external}
     return {
         "machine": machine_info(threads),
         "model": args.model,
@@ -582,13 +639,15 @@ def images_markdown(report: dict) -> str:
         "|---|---|---|---|",
     ]
     setup = report.get("compile_and_warm_up_seconds", {})
+    not_comparable = report.get("not_comparable", [])
     for name, seconds in report["seconds_per_image"].items():
         psnr = report["psnr_db_vs_baseline"][name]
-        psnr_text = (
-            "reference"
-            if psnr is None
-            else ("identical" if psnr == float("inf") else f"{psnr:.1f} dB")
-        )
+        if name in not_comparable:
+            psnr_text = "not comparable (own sampler and noise)"
+        elif psnr is None:
+            psnr_text = "reference"
+        else:
+            psnr_text = "identical" if psnr == float("inf") else f"{psnr:.1f} dB"
         lines.append(
             f"| {name} | {seconds:.1f} | {report['speedup_vs_baseline'][name]:.2f}x | {psnr_text} |"
         )
@@ -599,6 +658,19 @@ def images_markdown(report: dict) -> str:
             + ", ".join(f"{name} {s:.0f} s" for name, s in setup.items())
             + ". Exact configurations differ from the default by float rounding only; the "
             "lossy ones (Token Merging, DeepCache, block cache) by their PSNR.",
+        ]
+    if not_comparable:
+        loads = report.get("load_seconds", {})
+        lines += [
+            "",
+            "stable-diffusion.cpp (its Python binding, built from source for this CPU) loads the "
+            "same UNet and VAE from a diffusers folder and runs the same steps and size with "
+            "guidance, but samples with its own Euler and noise and encodes its prompts itself "
+            "(included in its time; the other rows take precomputed embeddings): its images "
+            "are not comparable pixel for pixel. f32 keeps the weights exact; f16 and q8_0 are "
+            "lossy weight types; its flash attention rounds K and V to float16. Loading: "
+            + ", ".join(f"{name} {s:.0f} s" for name, s in loads.items())
+            + ".",
         ]
     return "\n".join(lines)
 
@@ -730,6 +802,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="with --images: only the configurations whose label contains one of these "
         "comma-separated texts (the diffusers default always runs), e.g. 'frozen,channels-last'",
     )
+    parser.add_argument(
+        "--sdcpp",
+        metavar="TYPES",
+        help="with --images: add stable-diffusion.cpp (pip install "
+        "stable-diffusion-cpp-python==0.4.7) with these comma-separated weight types (f32, f16, "
+        "q8_0; +fa for its flash attention, e.g. 'f32,q8_0+fa'), loading the same SD-1.5 "
+        "pipeline",
+    )
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = parser.parse_args(argv)
@@ -751,6 +831,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 select_configs(image_configs(FAMILIES[args.model]), args.configs)
             except ValueError as e:
                 parser.error(str(e))
+        if args.sdcpp is not None:
+            from .sdcpp import parse_weight_types, unavailable_reason
+
+            try:
+                args.sdcpp = parse_weight_types(args.sdcpp)
+            except ValueError as e:
+                parser.error(str(e))
+            if unavailable_reason() is not None:
+                print(f"error: --sdcpp: {unavailable_reason()}", file=sys.stderr)
+                return 2
+    elif args.sdcpp is not None:
+        parser.error("--sdcpp compares whole images: use it with --images")
+    if args.images is not None:
         try:
             report = run_images(args)
         except ConfigurationError as e:
