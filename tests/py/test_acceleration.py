@@ -13,6 +13,7 @@ from npu_attn.accel.registry import accelerate_from_environment, environment_opt
 from npu_attn.accel.token_merging import ModelFamilyError
 from npu_attn.attention import strategies
 from tiny_accel_models import (
+    frozen_graph_runs,
     generate,
     generate_transformer,
     hidream_pipeline,
@@ -182,25 +183,12 @@ def test_graph_mode_traces_the_accelerations_once_and_never_falls_back_to_eager(
     frame eagerly. Caught: DeepCache's cached tensors, reached through the UNet, were frozen
     into the graph and recompiled it at every refresh; ToMe's generator draws and bincount
     broke the graph inside the UNet's block loop, which then ran eagerly."""
-    from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
-
     pipe = sd15_pipeline()
     npu_attn.accelerate(pipe, token_merging=TOME, deep_cache=2)
-    counter = CompileCounter()
-    counters.clear()
-    try:
-        with torch._inductor.config.patch(freezing=True):
-            npu_attn.compile(pipe, "tiled", backend=counter, show_progress=False)
-            generate(pipe, steps=STEPS)
-            graphs = counter.frame_count
-            generate(pipe, steps=STEPS)
-    finally:
-        npu_attn.reset_compile(pipe)
-        torch._dynamo.reset()
-    assert 0 < graphs <= 4, f"{graphs} graphs"
-    assert counter.frame_count == graphs, "the second image recompiled"
-    assert not counters["unimplemented"], dict(counters["unimplemented"])
+    runs = frozen_graph_runs(pipe, "tiled", lambda: generate(pipe, steps=STEPS))
+    assert 0 < runs["first"] <= 4, f"{runs['first']} graphs"
+    assert runs["total"] == runs["first"], "the second image recompiled"
+    assert not runs["unimplemented"], runs["unimplemented"]
 
 
 def test_environment_applies_both(monkeypatch):

@@ -21,6 +21,7 @@ from npu_attn.accel.block_cache import (
 )
 from npu_attn.accel.token_merging import ModelFamilyError
 from tiny_accel_models import (
+    frozen_graph_runs,
     generate_transformer,
     hidream_pipeline,
     sd3_pipeline,
@@ -327,29 +328,14 @@ def test_graph_mode_with_freezing_compiles_each_kind_of_call_once():
     ``maybe_allow_in_graph`` blocks (the model's block loop then ran eagerly); the cache's call
     counter, read inside the model, was guarded on its value (a recompile per call); and the
     cached residuals, reached through the model, became frozen constants."""
-    from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
-
-    import npu_attn
-
     pipe = sd3_pipeline()
     apply_block_cache(pipe, {"interval": 2})
     eager = generate_transformer(pipe, steps=STEPS)
-    counter = CompileCounter()
-    counters.clear()
-    try:
-        with torch._inductor.config.patch(freezing=True):
-            npu_attn.compile(pipe, "sdpa", backend=counter, show_progress=False)
-            generate_transformer(pipe, steps=STEPS)
-            graphs = counter.frame_count
-            compiled = generate_transformer(pipe, steps=STEPS)
-    finally:
-        npu_attn.reset_compile(pipe)
-        torch._dynamo.reset()
-    assert 0 < graphs <= 3, f"{graphs} graphs"
-    assert counter.frame_count == graphs, "the second generation recompiled"
-    assert not counters["unimplemented"], dict(counters["unimplemented"])
-    assert relative_error(compiled, eager) < 1e-5
+    runs = frozen_graph_runs(pipe, "sdpa", lambda: generate_transformer(pipe, steps=STEPS))
+    assert 0 < runs["first"] <= 3, f"{runs['first']} graphs"
+    assert runs["total"] == runs["first"], "the second generation recompiled"
+    assert not runs["unimplemented"], runs["unimplemented"]
+    assert relative_error(runs["output"], eager) < 1e-5
     assert block_cache_of(pipe)["skipped_calls"] == 3 * STEPS // 2
 
 

@@ -237,3 +237,32 @@ def transformer_call(model, timestep: float, seed: int = 0, tokens: int = 16) ->
             encoder_hidden_states_llama3=torch.randn(2, 2, 5, 4, generator=g),
             pooled_embeds=torch.randn(2, 8, generator=g),
         ).sample
+
+
+def frozen_graph_runs(pipe, strategy: str, run) -> dict:
+    """``run()`` twice under graph mode with inductor's freezing on (what ``npu_attn.compile(...,
+    freeze=True)`` sets), counting what dynamo compiles: ``first`` graphs after the first run,
+    ``total`` after the second, the ``unimplemented`` graph breaks (those that make dynamo run a
+    frame eagerly) and the second run's ``output``. Compilation is reset afterwards."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    import npu_attn
+
+    counter = CompileCounter()
+    counters.clear()
+    try:
+        with torch._inductor.config.patch(freezing=True):
+            npu_attn.compile(pipe, strategy, backend=counter, show_progress=False)
+            run()
+            first = counter.frame_count
+            output = run()
+    finally:
+        npu_attn.reset_compile(pipe)
+        torch._dynamo.reset()
+    return {
+        "first": first,
+        "total": counter.frame_count,
+        "unimplemented": dict(counters["unimplemented"]),
+        "output": output,
+    }

@@ -134,7 +134,6 @@ class SdCppRunner:
     label: str
     load_seconds: float
     _engine: Any
-    _threads: int
 
     @classmethod
     def load(cls, folder: Path, spec: str, threads: int) -> SdCppRunner:
@@ -149,7 +148,7 @@ class SdCppRunner:
             diffusion_flash_attn=spec.endswith(FLASH_SUFFIX),
             verbose=False,
         )
-        return cls(label_of(spec), time.perf_counter() - start, engine, threads)
+        return cls(label_of(spec), time.perf_counter() - start, engine)
 
     def image(self, steps: int, size: int, seed: int = 0):
         """(seconds, image as float32 (1, 3, size, size) in [0, 1]): one guided image."""
