@@ -98,6 +98,35 @@ int64_t pv_key_chunk_for(const AttentionParams& p) {
   return p.head_dim_v >= kLargeDimV ? kPvKeyChunkLargeDim : kPvKeyChunk;
 }
 
+// Panels (BLIS's packed A): K and V copied so that the broadcast operand of each product is
+// read from contiguous memory, kBlockRows rows at a time (pack_panels, broadcast_fma_panels).
+// Row-major K rows put the six broadcasts of a depth step on six cache lines (each 2 KiB apart
+// at head dim 512), V columns on six V rows; a panel holds them in 24 contiguous bytes. With
+// 16 vector registers (AVX2) the products stream their other operand (Q^T, P^T slices) from
+// L2, and the scattered broadcasts were what kept them near 80% of the FMA peak: on Zen 3 at
+// the VAE's head dim 512 (one core, micro-benchmark of the two products) S^T = K Q^T went from
+// 85 to 91 GFLOP/s and O^T += V^T P^T from 80 to 91 with 64-key passes (P^T chunk 16 KiB; 16
+// and 32 keys: 81 and 88). Whole calls on Zen 3, float32, 2 threads, against rows: VAE
+// mid-block 0.90x / 0.91x the time, Flux and HiDream (head dim 128) 0.94x, SD2.1 96x96 and
+// SDXL 64x64 (64) 0.97x; but the copy is a pass over K and V per call, which short sequences do
+// not win back (SD-1.5 16x16, L 256: 1.17x; 8x8: 1.46x; 32x32, L 1024: 1.02x) and head dim 40
+// gains nothing (SD-1.5 64x64: 0.99x); nor do short key sequences (cross-attention to 77 text
+// tokens at 96x96: 1.06x, its P*V then takes two passes instead of one). Hence: head dims from
+// 64 with at least 2048 queries (to share the copy) and 2048 keys, and from kLargeDimV always
+// (V is copied there anyway: aliasing_v_rows). Only
+// with 256-bit vectors: that is where it was measured (AVX-512's 6 x 4 blocks read each
+// broadcast for four vectors, not two; they keep rows until measured).
+constexpr bool kPanelsMeasured = kVecBytes == 32;
+constexpr int64_t kPanelMinDim = 64;
+constexpr int64_t kPanelMinLength = 2048;  // queries and keys
+constexpr int kPvKeyChunkPanels = 64;
+
+// Whether the operand of head dim `dim` (K's head_dim or V's head_dim_v) is packed in panels.
+bool panel_operand(const AttentionParams& p, int64_t dim) {
+  if (!kPanelsMeasured || dim < kPanelMinDim) return false;
+  return (p.len_q >= kPanelMinLength && p.len_k >= kPanelMinLength) || dim >= kLargeDimV;
+}
+
 // Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
 int64_t query_tile_for(const AttentionParams& p, int threads) {
   const int64_t heads_rows = p.batch * p.heads_q;
@@ -118,12 +147,31 @@ struct Tiling {
   // read in place unless its head dim is not contiguous, or its V rows alias in L1).
   bool pack_k;
   bool pack_v;
+  // Packed as panels of kBlockRows keys (K) or value channels (V) instead of rows
+  // (panel_operand); with K panels block_k is a multiple of kBlockRows, so key tiles start on a
+  // panel.
+  bool k_panels;
+  bool v_panels;
   int64_t v_row_floats;  // row stride of the packed V copy (packed_v_row_floats)
 };
 
-// Where the packed V rows start in a pair's packed copy: after the packed K rows, if any.
+// Where the packed V rows start in a pair's packed copy: after the packed K rows, if any (K
+// panels round the keys up to whole panels).
 int64_t packed_v_offset(const AttentionParams& p, const Tiling& t) {
-  return t.pack_k ? p.len_k * p.head_dim : 0;
+  if (!t.pack_k) return 0;
+  return (t.k_panels ? round_up(p.len_k, kBlockRows) : p.len_k) * p.head_dim;
+}
+
+// Floats between V panels: one panel holds kBlockRows channels of every key.
+int64_t v_panel_stride(const AttentionParams& p) {
+  return kBlockRows * p.len_k;
+}
+
+// Floats of the packed V copy (0 if V is read in place).
+int64_t packed_v_floats(const AttentionParams& p, const Tiling& t) {
+  if (!t.pack_v) return 0;
+  if (t.v_panels) return ceil_div(p.head_dim_v, kBlockRows) * v_panel_stride(p);
+  return p.len_k * t.v_row_floats;
 }
 
 // One thread's scratch, carved from schedule.scratch_floats floats.
@@ -155,19 +203,22 @@ template <typename T>
 Tiling plan_tiled(const AttentionParams& p, int threads) {
   Tiling t{};
   ForwardSchedule& s = t.schedule;
-  t.block_k = min_i64(kKeyTile, max_i64(p.len_k, 1));
-  t.pv_key_chunk = pv_key_chunk_for(p);
+  t.k_panels = panel_operand(p, p.head_dim);
+  t.v_panels = panel_operand(p, p.head_dim_v);
+  const int64_t key_tile = t.k_panels ? kKeyTile / kBlockRows * kBlockRows : kKeyTile;
+  t.block_k = min_i64(key_tile, max_i64(p.len_k, 1));
+  t.pv_key_chunk = t.v_panels ? kPvKeyChunkPanels : pv_key_chunk_for(p);
   // The kernels read float32 K and V as rows with unit stride along the head dim; only other
-  // layouts (e.g. a transposed view), 16-bit types (converted once here) and large-Dv V rows
-  // that alias in L1 (aliasing_v_rows) need a packed copy.
+  // layouts (e.g. a transposed view), 16-bit types (converted once here), large-Dv V rows
+  // that alias in L1 (aliasing_v_rows) and panels need a packed copy.
   const bool convert = !__is_same(T, float);
-  t.pack_k = convert || p.k_stride[3] != 1;
-  t.pack_v = convert || p.v_stride[3] != 1 || aliasing_v_rows(p, p.v_stride[2]);
+  t.pack_k = convert || p.k_stride[3] != 1 || t.k_panels;
+  t.pack_v = convert || p.v_stride[3] != 1 || aliasing_v_rows(p, p.v_stride[2]) || t.v_panels;
   t.v_row_floats = packed_v_row_floats(p);
   s.block_q = query_tile_for(p, threads);
   const bool packs = t.pack_k || t.pack_v;
   s.pack_tiles = packs ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
-  s.pair_floats = packed_v_offset(p, t) + (t.pack_v ? p.len_k * t.v_row_floats : 0);
+  s.pair_floats = packed_v_offset(p, t) + packed_v_floats(p, t);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats = scratch_floats(p, s.block_q, t.block_k);
   return t;
@@ -190,23 +241,64 @@ void pack_rows(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim
   }
 }
 
-// Keys [tile * block_k, + block_k) of one (batch, kv-head) pair into its packed copy: K rows
-// (len_k rows of head_dim floats) if t.pack_k, then V rows (len_k rows, t.v_row_floats apart)
+// Rows [r0, r0 + rows) of the broadcast operand A(r, i) = src[r * r_stride + i * i_stride],
+// i in [0, depth), into panels of kBlockRows rows: A(r, i) goes to
+// dst[(r / kBlockRows) * panel_stride + i * kBlockRows + r % kBlockRows] (broadcast_fma_panels
+// reads them). K is A with rows = keys (panel_stride = kBlockRows * head_dim); V is A with
+// rows = value channels and depth = keys (r0 = 0, the key tile's keys as [i0, i0 + depth),
+// panel_stride = v_panel_stride). The loop walks the source along its unit stride.
+template <typename T>
+void pack_panels(const T* src, int64_t r_stride, int64_t i_stride, int64_t r0, int64_t rows,
+                 int64_t i0, int64_t depth, int64_t panel_stride, float* dst) {
+  if (r_stride >= i_stride) {  // rows of A are contiguous (K): panel by panel
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      float* d = dst + (r / kBlockRows) * panel_stride + r % kBlockRows;
+      for (int64_t i = i0; i < i0 + depth; ++i)
+        d[i * kBlockRows] = to_float(src[r * r_stride + i * i_stride]);
+    }
+  } else {  // columns of A are contiguous (V rows): one V row into every panel
+    for (int64_t i = i0; i < i0 + depth; ++i) {
+      float* d = dst + i * kBlockRows;
+      for (int64_t r = r0; r < r0 + rows; ++r)
+        d[(r / kBlockRows) * panel_stride + r % kBlockRows] =
+            to_float(src[r * r_stride + i * i_stride]);
+    }
+  }
+}
+
+// V rows of keys [k0, k0 + count) of one (batch, kv-head) pair into its packed copy: panels
+// if t.v_panels, else rows t.v_row_floats apart. Shared with the int8 kernel.
+template <typename T>
+void pack_value_rows(const AttentionParams& p, const Tiling& t, int64_t pair, int64_t k0,
+                     int64_t count, float* v_pack) {
+  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
+  if (t.v_panels) {
+    pack_panels(v, p.v_stride[3], p.v_stride[2], 0, p.head_dim_v, k0, count, v_panel_stride(p),
+                v_pack);
+  } else {
+    pack_rows(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, k0, count, t.v_row_floats, v_pack);
+  }
+}
+
+// Keys [tile * block_k, + block_k) of one (batch, kv-head) pair into its packed copy: K (len_k
+// rows of head_dim floats, or panels of kBlockRows keys) if t.pack_k, then V (pack_value_rows)
 // if t.pack_v.
 template <typename T>
 void pack_key_tile(const AttentionParams& p, const Tiling& t, int64_t pair, int64_t tile,
                    float* packed) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
   const int64_t k0 = tile * t.block_k, count = min_i64(t.block_k, p.len_k - k0);
-  float* v_rows = packed + packed_v_offset(p, t);
   if (t.pack_k) {
-    pack_rows(static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1], p.k_stride[2],
-              p.k_stride[3], p.head_dim, k0, count, p.head_dim, packed);
+    const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
+    if (t.k_panels) {
+      pack_panels(k, p.k_stride[2], p.k_stride[3], k0, count, 0, p.head_dim,
+                  kBlockRows * p.head_dim, packed);
+    } else {
+      pack_rows(k, p.k_stride[2], p.k_stride[3], p.head_dim, k0, count, p.head_dim, packed);
+    }
   }
-  if (t.pack_v) {
-    pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2],
-              p.v_stride[3], p.head_dim_v, k0, count, t.v_row_floats, v_rows);
-  }
+  if (t.pack_v) pack_value_rows<T>(p, t, pair, k0, count, packed + packed_v_offset(p, t));
 }
 
 // ---------------------------------------------------------------- micro-kernels
@@ -479,7 +571,8 @@ int64_t key_limit_for(const AttentionParams& p, const QueryTile& tile) {
 
 // Everything after S^T of keys [k0, k0 + keys) is in ws.st (scaled scores, keys x queries):
 // masks, the online softmax, and O^T (Dv x queries) += V_tile^T P^T, in L1-sized key chunks.
-// `v_rows` are the pair's V rows (row 0 = key 0). Shared with the int8 kernel
+// `v_rows` are the pair's V rows (row 0 = key 0, `v_row_stride` apart), or with t.v_panels its
+// V panels (pack_value_rows; the stride is then unused). Shared with the int8 kernel
 // (attention_int8_impl.h), which computes S^T differently.
 void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_rows,
                      int64_t v_row_stride, const QueryTile& tile, int64_t k0, int64_t keys,
@@ -491,9 +584,14 @@ void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_r
       tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, ld, keys, ws); });
   for (int64_t j0 = 0; j0 < keys; j0 += t.pv_key_chunk) {
     const int64_t chunk = min_i64(t.pv_key_chunk, keys - j0);
-    broadcast_fma<ALayout::kColMajor, true, BlockOrder::kRowBlocksOuter>(
-        v_rows + (k0 + j0) * v_row_stride, v_row_stride, ws.st + j0 * ld, ld, chunk, p.head_dim_v,
-        tile.vecs, ws.ot, ld);
+    if (t.v_panels) {
+      broadcast_fma_panels<true>(v_rows + (k0 + j0) * kBlockRows, v_panel_stride(p),
+                                 ws.st + j0 * ld, ld, chunk, p.head_dim_v, tile.vecs, ws.ot, ld);
+    } else {
+      broadcast_fma<ALayout::kColMajor, true, BlockOrder::kRowBlocksOuter>(
+          v_rows + (k0 + j0) * v_row_stride, v_row_stride, ws.st + j0 * ld, ld, chunk, p.head_dim_v,
+          tile.vecs, ws.ot, ld);
+    }
   }
 }
 
@@ -507,9 +605,14 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     // S^T (keys x queries) = K_tile (keys x D) * Q^T (D x queries)
-    broadcast_fma<ALayout::kRowMajor, false, BlockOrder::kRowBlocksOuter>(
-        kv.k + k0 * kv.k_row_stride, kv.k_row_stride, ws.qt, ld, p.head_dim, keys, tile.vecs, ws.st,
-        ld);
+    if (t.k_panels) {  // k0 is a whole number of panels (plan_tiled)
+      broadcast_fma_panels<false>(kv.k + k0 * p.head_dim, kBlockRows * p.head_dim, ws.qt, ld,
+                                  p.head_dim, keys, tile.vecs, ws.st, ld);
+    } else {
+      broadcast_fma<ALayout::kRowMajor, false, BlockOrder::kRowBlocksOuter>(
+          kv.k + k0 * kv.k_row_stride, kv.k_row_stride, ws.qt, ld, p.head_dim, keys, tile.vecs,
+          ws.st, ld);
+    }
     finish_key_tile(p, t, kv.v, kv.v_row_stride, tile, k0, keys, ws);
   }
   write_output<T>(p, tile, t, ws);
@@ -523,7 +626,7 @@ KeyValueRows pair_rows(const AttentionParams& p, const Tiling& t, const float* p
   const int64_t b = task.tile.batch, hkv = task.hkv;
   KeyValueRows rows{};
   if (t.pack_k) {
-    rows.k = packed;
+    rows.k = packed;  // rows, or panels of kBlockRows keys (t.k_panels)
     rows.k_row_stride = p.head_dim;
   } else {
     rows.k = static_cast<const float*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];

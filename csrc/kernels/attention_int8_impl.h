@@ -83,6 +83,7 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   Int8Plan plan{};
   plan.fp = plan_tiled<T>(p, threads);
   plan.fp.pack_k = false;  // K is always packed, as codes (below), never as float rows
+  plan.fp.k_panels = false;
   ForwardSchedule& s = plan.schedule;
   s = plan.fp.schedule;
   plan.words = ceil_div(p.head_dim, kInt8ChannelsPerWord);
@@ -91,7 +92,7 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.tile_stats = plan.key_scales + p.len_k;
   plan.v_rows = plan.tile_stats + tiles * 2 * p.head_dim;
   s.pack_tiles = tiles;
-  s.pair_floats = plan.v_rows + (plan.fp.pack_v ? p.len_k * plan.fp.v_row_floats : 0);
+  s.pair_floats = plan.v_rows + packed_v_floats(p, plan.fp);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats = scratch_floats(p, s.block_q, plan.fp.block_k) + s.block_q * (plan.words + 2);
   return plan;
@@ -384,12 +385,10 @@ struct Int8Family {
   static void pack(const AttentionParams& p, const Plan& plan, int64_t pair, int64_t key_tile,
                    float* pair_pack) {
     pack_int8_key_tile<T>(p, plan, pair, key_tile, pair_pack);
-    if (plan.fp.pack_v) {  // V rows like the float32 kernel's packed copy
-      const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
+    if (plan.fp.pack_v) {  // V like the float32 kernel's packed copy (rows or panels)
       const int64_t k0 = key_tile * plan.fp.block_k;
-      pack_rows(static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1], p.v_stride[2],
-                p.v_stride[3], p.head_dim_v, k0, min_i64(plan.fp.block_k, p.len_k - k0),
-                plan.fp.v_row_floats, pair_pack + plan.v_rows);
+      pack_value_rows<T>(p, plan.fp, pair, k0, min_i64(plan.fp.block_k, p.len_k - k0),
+                         pair_pack + plan.v_rows);
     }
   }
   static void run(const AttentionParams& p, const Plan& plan, const QueryTask& task,

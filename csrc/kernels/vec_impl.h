@@ -358,5 +358,21 @@ void broadcast_fma(const float* a, int64_t lda, const float* b, int64_t ldb, int
       });
 }
 
+// The same product with A packed in panels of kBlockRows rows (BLIS's packed A): panel p starts
+// at a + p * panel_stride and holds A(p * kBlockRows + r, i) at [i * kBlockRows + r], so the
+// broadcasts of one depth step are contiguous. Row blocks outside column groups
+// (kRowBlocksOuter), each block a panel.
+template <bool Accumulate>
+void broadcast_fma_panels(const float* a, int64_t panel_stride, const float* b, int64_t ldb,
+                          int64_t depth, int64_t rows, int64_t vecs, float* c, int64_t ldc) {
+  for_each_register_block<BlockOrder::kRowBlocksOuter>(
+      rows, vecs, [&](auto block_rows, auto block_vecs, int64_t r, int64_t v0) {
+        broadcast_fma_block<ALayout::kColMajor, Accumulate, decltype(block_rows)::value,
+                            decltype(block_vecs)::value>(a + r / kBlockRows * panel_stride,
+                                                         kBlockRows, b + v0 * kLanes, ldb, depth,
+                                                         c + r * ldc + v0 * kLanes, ldc);
+      });
+}
+
 }  // namespace
 }  // namespace npu_attn
