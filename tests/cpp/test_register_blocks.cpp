@@ -1,8 +1,8 @@
 // The register-block walk every product kernel shares (vec_impl.h): both block orders cover
 // every (row, column vector) cell of a product exactly once with the same block shapes, and
 // broadcast_fma gives bit-identical results in either order (the forward switched its order on
-// that promise). Built with 16-byte vectors, which every build target has (SSE2 / NEON); the
-// walk's logic is the same for every width.
+// that promise), and with A packed in panels (broadcast_fma_panels). Built with 16-byte vectors,
+// which every build target has (SSE2 / NEON); the walk's logic is the same for every width.
 #define NPU_ATTN_VEC_BYTES 16
 #include <gtest/gtest.h>
 
@@ -95,6 +95,48 @@ TEST(RegisterBlocks, BroadcastFmaIsBitIdenticalInBothOrders) {
             want += static_cast<double>(a[r * depth + i]) * b[i * vecs * kLanes + j];
           EXPECT_NEAR(got[r * vecs * kLanes + j], want, 1e-4) << "r " << r << " j " << j;
         }
+      }
+    }
+  }
+}
+
+TEST(RegisterBlocks, PanelsGiveTheRowMajorProductBitForBit) {
+  // A packed in panels of kBlockRows rows (A(r, i) at [(r / 6) * panel_stride + i * 6 + r % 6],
+  // as the AVX2 forward packs K and V) through broadcast_fma_panels: the same sums in the same
+  // order as broadcast_fma on row-major A. The rows past `rows` in a ragged last panel hold NaN:
+  // they must never reach the result.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (const int64_t rows : {1, 5, 6, 13, 20}) {
+    for (const int64_t vecs : {1, 2, 3, 5, 8}) {
+      const int64_t depth = 37, panel_stride = kBlockRows * depth + 3;  // panels need not touch
+      const int64_t panels = (rows + kBlockRows - 1) / kBlockRows;
+      std::vector<float> a(static_cast<size_t>(rows * depth)), b(depth * vecs * kLanes),
+          c(rows * vecs * kLanes);
+      for (auto* v : {&a, &b, &c})
+        for (float& x : *v) x = normal(rng);
+      std::vector<float> packed(static_cast<size_t>(panels * panel_stride), __builtin_nanf(""));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < depth; ++i)
+          packed[(r / kBlockRows) * panel_stride + i * kBlockRows + r % kBlockRows] =
+              a[r * depth + i];
+      SCOPED_TRACE(::testing::Message() << "rows " << rows << " vecs " << vecs);
+      const int64_t ld = vecs * kLanes;
+      for (const bool accumulate : {false, true}) {
+        std::vector<float> got = c;
+        if (accumulate) {
+          broadcast_fma_panels<true>(packed.data(), panel_stride, b.data(), ld, depth, rows, vecs,
+                                     got.data(), ld);
+        } else {
+          broadcast_fma_panels<false>(packed.data(), panel_stride, b.data(), ld, depth, rows, vecs,
+                                      got.data(), ld);
+        }
+        const auto want = accumulate
+                              ? product<ALayout::kRowMajor, true, BlockOrder::kRowBlocksOuter>(
+                                    a, depth, b, depth, rows, vecs, c)
+                              : product<ALayout::kRowMajor, false, BlockOrder::kRowBlocksOuter>(
+                                    a, depth, b, depth, rows, vecs, c);
+        EXPECT_EQ(got, want) << (accumulate ? "accumulating" : "setting");
       }
     }
   }
