@@ -16,6 +16,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, attention_
 import npu_attn
 from npu_attn.attention import strategies
 from npu_attn.integration import dispatcher as diffusers_backend
+from npu_attn.integration.wrapping import attention_modules
 from test_graph_mode import attention_nodes, captured_call
 from tiny_models import call_in_dtype, run_flux, tiny_flux
 
@@ -26,7 +27,12 @@ def _isolated(tmp_path, monkeypatch):
     strategies.auto_selector._memory.clear()
     strategies.reset_call_counts()
     torch._dynamo.reset()
+    # model.set_attention_backend also sets diffusers' process-wide active backend: restored
+    # here so the tests after these do not inherit it
+    registry = attention_dispatch._AttentionBackendRegistry
+    active = registry._active_backend
     yield
+    registry.set_active_backend(active)
     torch._dynamo.reset()
 
 
@@ -69,6 +75,31 @@ def test_flux_through_the_dispatcher_equals_native_attention(backend, strategy, 
     else:  # auto answers each shape with one of the strategies it measured
         assert sum(counts.values()) > 0, counts
     close(out, reference, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("other_backend", ["npu_attn", "npu_attn_auto"])
+def test_a_switched_model_keeps_its_strategy_whatever_backend_another_model_set(other_backend):
+    # diffusers' set_attention_backend on one model sets the process-wide active backend, which
+    # processors without a backend of their own follow; a model switched with
+    # set_attention_strategy runs its own strategy regardless.
+    npu_attn.register_diffusers_backends()
+    tiny_flux().set_attention_backend(other_backend)
+    model = tiny_flux()
+    original = [m.processor for _, m in attention_modules(model)]
+    npu_attn.set_attention_strategy(model, "sdpa")
+    strategies.reset_call_counts()
+    with torch.no_grad():
+        out = run_flux(model)
+    counts = strategies.call_counts()
+    assert counts.get("sdpa", 0) > 0 and counts.get("tiled", 0) == 0, counts
+    with torch.no_grad():
+        npu_attn.reset_attention_strategy(model)
+        assert [m.processor for _, m in attention_modules(model)] == (original)
+        assert all(p._attention_backend is None for p in original)  # the user's, unchanged
+        strategies.reset_call_counts()
+        reference = run_flux(model)  # now it follows the active backend, as diffusers does
+    assert strategies.call_counts(), "the restored model should reach npu_attn's backend"
+    close(out, reference, 1e-5)
 
 
 def test_diffusers_context_manager_selects_npu_attn():

@@ -20,6 +20,7 @@ processor objects are remembered on first use and restored exactly by
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Optional
@@ -114,7 +115,28 @@ def _unpickle_processor(cls: type, wrapper_of_cls: bool):
 
 
 def _wrap(processor: Any, strategy: str):
-    return _wrapper_class(type(processor))(processor, strategy)
+    return _wrapper_class(type(processor))(_on_native_sdpa(processor), strategy)
+
+
+def _on_native_sdpa(processor: Any) -> Any:
+    """A processor that reaches attention through diffusers' dispatcher (it has an
+    ``_attention_backend``) runs, inside npu_attn's wrapper, as a copy pinned to the dispatcher's
+    native backend: that backend ends in torch's SDPA, which the redirect routes to the chosen
+    strategy. Unpinned, a processor with no backend of its own follows the dispatcher's active
+    backend, which diffusers' ``set_attention_backend`` on *any* model sets for the whole process
+    (``model_a.set_attention_backend("npu_attn_auto")`` would otherwise make
+    ``set_attention_strategy(model_b, "tiled")`` run ``auto``). The user's processor is not
+    changed (a copy; ``reset_attention_strategy`` restores the original); processors that are
+    ``nn.Module``s are left as they are (a shallow copy would share their parameter dicts)."""
+    if not hasattr(processor, "_attention_backend") or isinstance(processor, torch.nn.Module):
+        return processor
+    try:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+    except ImportError:  # a diffusers without the dispatcher: nothing to pin
+        return processor
+    pinned = copy.copy(processor)
+    pinned._attention_backend = AttentionBackendName.NATIVE
+    return pinned
 
 
 def _uses_matmul_processor(processor: Any) -> bool:
