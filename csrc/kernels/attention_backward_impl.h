@@ -349,22 +349,33 @@ T* grad_q_head(const AttentionBackwardParams& bp, int64_t batch, int64_t head) {
   return static_cast<T*>(bp.grad_q) + batch * bp.grad_q_stride[0] + head * bp.grad_q_stride[1];
 }
 
-// dQ of one pair from its private accumulator(s): scale * sum over the pair's splits.
+// Rows of the private dQ folded and written per item of the final pass when a pair's key tiles
+// are split: the pass runs over (pair, block of rows), so a single pair (the VAE's one head)
+// is spread over every thread; one item per pair would fold all its splits (2 per thread) on
+// one thread while the others wait, which grows with the thread count.
+constexpr int64_t kDqFoldRows = 256;
+
+// dQ rows [row0, row0 + rows) of one pair from its private accumulator(s), row g * len_q + i
+// being query i of the group's head g: scale * the sum over the pair's splits, folded into the
+// first split in a fixed order (deterministic, whichever thread does it).
 template <typename T>
-void write_grad_q(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
-                  float* dq_first_split) {
+void write_grad_q_rows(const AttentionBackwardParams& bp, const BackwardPlan& plan, int64_t pair,
+                       float* dq_first_split, int64_t row0, int64_t rows) {
   const AttentionParams& p = bp.fwd;
   const int64_t batch = pair / p.heads_kv, hkv = pair % p.heads_kv;
-  for (int64_t s = 1; s < plan.splits; ++s) {  // fold splits into the first (fixed order)
-    const float* other = dq_first_split + s * plan.dq_floats;
-    float* acc = dq_first_split;
-    for (int64_t i = 0; i < plan.dq_floats; i += kLanes)
+  float* acc = dq_first_split + row0 * plan.dim_pad;
+  for (int64_t s = 1; s < plan.splits; ++s) {
+    const float* other = acc + s * plan.dq_floats;
+    for (int64_t i = 0; i < rows * plan.dim_pad; i += kLanes)
       store(acc + i, load(acc + i) + load(other + i));
   }
-  for (int64_t g = 0; g < plan.group; ++g) {
-    write_rows(dq_first_split + g * p.len_q * plan.dim_pad, plan.dim_pad, p.len_q, p.head_dim,
-               p.scale, grad_q_head<T>(bp, batch, hkv * plan.group + g), bp.grad_q_stride[2],
-               bp.grad_q_stride[3], 0);
+  for (int64_t r = row0; r < row0 + rows;) {  // the rows of each head in the range
+    const int64_t g = r / p.len_q, i = r % p.len_q;
+    const int64_t count = min_i64(row0 + rows - r, p.len_q - i);
+    write_rows(dq_first_split + r * plan.dim_pad, plan.dim_pad, count, p.head_dim, p.scale,
+               grad_q_head<T>(bp, batch, hkv * plan.group + g), bp.grad_q_stride[2],
+               bp.grad_q_stride[3], i);
+    r += count;
   }
 }
 
@@ -402,13 +413,17 @@ void run_backward(const AttentionBackwardParams& bp) {
       const int64_t end = plan.key_tiles * (split + 1) / plan.splits;
       float* dq = dq_all + (plan.splits == 1 ? thread : item) * plan.dq_floats;
       backward_item<T, Kernel>(bp, plan, pair, begin, end, delta, s, dq);
-      if (plan.splits == 1) write_grad_q<T>(bp, plan, pair, dq);
+      if (plan.splits == 1) write_grad_q_rows<T>(bp, plan, pair, dq, 0, plan.group * p.len_q);
     }
 
     if (plan.splits > 1) {
+      const int64_t rows = plan.group * p.len_q, blocks = ceil_div(rows, kDqFoldRows);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t pair = 0; pair < plan.pairs; ++pair)
-        write_grad_q<T>(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats);
+      for (int64_t item = 0; item < plan.pairs * blocks; ++item) {
+        const int64_t pair = item / blocks, row0 = item % blocks * kDqFoldRows;
+        write_grad_q_rows<T>(bp, plan, pair, dq_all + pair * plan.splits * plan.dq_floats, row0,
+                             min_i64(kDqFoldRows, rows - row0));
+      }
     }
     Kernel::leave_thread(s);
   }

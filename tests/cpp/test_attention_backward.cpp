@@ -193,6 +193,24 @@ TEST_P(BackwardEveryIsa, DeterministicAndThreadCountOnlyReordersSums) {
   EXPECT_LE(max_abs_diff(one.dq, two.dq), 1e-5 * std::max(1.0, max_abs(one.dq)));
 }
 
+TEST_P(BackwardEveryIsa, SplitKeyTilesFoldDqAcrossHeadsAndRowBlocks) {
+  // One kv-head of a GQA group of four, three threads: the key tiles are split into six items
+  // whose private dQ buffers are folded in blocks of rows that cross the group's heads
+  // (4 x 300 rows). Against the reference, and identical when run again.
+  Case c{1, 4, 1, 300, 333, 40, 40};
+  BackwardProblem first, again;
+  for (BackwardProblem* pr : {&first, &again}) {
+    build_backward(c, *pr, 5, false, GetParam());
+    pr->args.forward.num_threads = 3;
+    run_attention_backward(make_attention_backward_params(pr->args), GetParam());
+  }
+  run_reference(first);
+  EXPECT_LE(max_abs_diff(first.dq, first.ref_dq), 5e-5 * std::max(1.0, max_abs(first.ref_dq)));
+  EXPECT_LE(max_abs_diff(first.dk, first.ref_dk), 5e-5 * std::max(1.0, max_abs(first.ref_dk)));
+  EXPECT_LE(max_abs_diff(first.dv, first.ref_dv), 5e-5 * std::max(1.0, max_abs(first.ref_dv)));
+  EXPECT_EQ(first.dq.storage, again.dq.storage);
+}
+
 TEST_P(BackwardEveryIsa, WorkspaceIsReleasedAndLinearInSequenceLength) {
   auto peak_for = [&](int64_t len) {
     Case c{1, 2, 2, len, len, 64, 64};
