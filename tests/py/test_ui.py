@@ -26,12 +26,14 @@ from gradio_client.exceptions import AppError
 import npu_attn
 from npu_attn.accel.base import ModelFamilyError
 from npu_attn.accel.registry import acceleration_of, check_acceleration
+from npu_attn.tools import studio as studio_module
 from npu_attn.tools import ui
 from npu_attn.tools.pipelines import (
     ARCHITECTURES,
     FAMILIES,
     architecture_summary,
     build_pipeline,
+    load_pipeline,
 )
 from npu_attn.tools.studio import (
     ACCELERATIONS,
@@ -187,6 +189,35 @@ def test_a_local_diffusers_folder_generates(client, tmp_path):
     args = generate_args(model=LOCAL_MODEL, folder=str(tmp_path), size=64)
     gallery, timing = client.predict(*args, api_name="/generate")
     assert len(gallery) == 1 and "s / step" in timing
+
+
+def test_a_local_folder_loads_in_the_requested_dtype(tmp_path, monkeypatch):
+    """The weights are read in the request's dtype (not loaded as float32 and cast, which holds
+    both copies at once)."""
+    import torch
+
+    build_pipeline("tiny").save_pretrained(tmp_path)  # float32 weights on disk
+    pipe = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
+    assert pipe.unet.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
+    asked = []
+
+    def recording_load(directory, torch_dtype=None):
+        asked.append(torch_dtype)
+        return load_pipeline(directory, torch_dtype=torch_dtype)
+
+    monkeypatch.setattr(studio_module, "load_pipeline", recording_load)
+    studio = Studio(allow_local_models=True)
+    request = Request(model=LOCAL_MODEL, folder=str(tmp_path), dtype="bfloat16")
+    assert studio.pipeline(request).unet.dtype == torch.bfloat16
+    assert asked == [torch.bfloat16]
+
+
+def test_a_folder_that_is_no_model_leaves_the_loaded_model_loaded(tmp_path):
+    studio = Studio(allow_local_models=True)
+    loaded = studio.pipeline(Request(model="tiny"))
+    with pytest.raises(InputError, match="no model_index.json"):
+        studio.pipeline(Request(model=LOCAL_MODEL, folder=str(tmp_path)))
+    assert studio.pipeline(Request(model="tiny")) is loaded  # not rebuilt
 
 
 def test_code_in_a_model_folder_never_runs(tmp_path):

@@ -537,11 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prepare_pipeline(args):
-    """(pipeline, source description); sets args.size. ValueError or OSError for a --weights
-    folder that cannot be loaded."""
+def prepare_pipeline(args, dtype=None):
+    """(pipeline, source description); sets args.size. A --weights folder is loaded in `dtype`
+    (when given); ValueError or OSError if it cannot be loaded."""
     if args.weights is not None:
-        pipe = load_pipeline(args.weights)
+        pipe = load_pipeline(args.weights, torch_dtype=dtype)
         latent_size = denoiser(pipe).config.sample_size or 64
         args.size = args.size or latent_size * pipe.vae_scale_factor
         return pipe, f"weights from {args.weights}"
@@ -574,7 +574,7 @@ def run_parallel(args) -> int:
     say = print if rank == 0 else (lambda *_: None)
     try:
         dm = DeviceManager()
-        pipe, source = prepare_pipeline(args)
+        pipe, source = prepare_pipeline(args, dm.dtype)
         pipe = pipe.to(dm.device, dm.dtype)
         embeds = prompt_embeddings(pipe, dm.dtype, dm.device, args.prompt)
         strategy = "tiled" if dm.device.type == "cpu" else "auto"
@@ -628,7 +628,7 @@ def run(args) -> int:
         return run_parallel(args)
     dm = DeviceManager()
     try:
-        pipe, source = prepare_pipeline(args)
+        pipe, source = prepare_pipeline(args, dm.dtype)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -485,19 +485,27 @@ def build_architecture(model: str):
     return pipe
 
 
-def load_pipeline(directory: Path):
-    """A real local diffusers model folder (must contain model_index.json)."""
-    from diffusers import DiffusionPipeline
-
+def read_model_index(directory: Path) -> dict:
+    """A diffusers model folder's model_index.json; ValueError naming what is wrong if there is
+    none or it is not JSON (cheap: callers check a folder before giving up a loaded model)."""
     if not (directory / "model_index.json").is_file():
         raise ValueError(
             f"{directory} is not a diffusers model folder: no model_index.json (save one with "
             "pipe.save_pretrained(DIR) or download a diffusers-format model)"
         )
     try:
-        index = json.loads((directory / "model_index.json").read_text(encoding="utf-8"))
+        return json.loads((directory / "model_index.json").read_text(encoding="utf-8"))
     except ValueError as e:
         raise ValueError(f"{directory}/model_index.json is not valid JSON: {e}") from e
+
+
+def load_pipeline(directory: Path, torch_dtype=None):
+    """A real local diffusers model folder (must contain model_index.json), its weights loaded
+    in ``torch_dtype`` when given: a bfloat16 run of a float32 folder then never holds a float32
+    copy of the model (without it diffusers loads float32 and a cast doubles the peak)."""
+    from diffusers import DiffusionPipeline
+
+    index = read_model_index(directory)
     # Components listed but not saved (e.g. a folder saved without its text encoder) load as
     # None; prompts then fall back to random embeddings.
     absent = {
@@ -506,6 +514,8 @@ def load_pipeline(directory: Path):
         if not name.startswith("_") and isinstance(spec, list) and not (directory / name).exists()
     }
     # Code shipped in the folder (custom pipelines or models) is never run.
+    if torch_dtype is not None:
+        absent["torch_dtype"] = torch_dtype
     return DiffusionPipeline.from_pretrained(
         str(directory), local_files_only=True, trust_remote_code=False, **absent
     )

@@ -29,6 +29,7 @@ from .pipelines import (
     parameter_count,
     pipeline_family,
     prompt_embeddings,
+    read_model_index,
     size_problem,
     step_activation_bytes,
     vae_scale_factor,
@@ -279,16 +280,24 @@ class Studio:
     # ------------------------------------------------------------------ loading
     def pipeline(self, request: Request):
         """The request's pipeline on the device in its dtype: the loaded one when it is the
-        same, else the loaded one is released first and the new one built or loaded."""
+        same, else the loaded one is released first and the new one built or loaded (a local
+        folder without a readable model_index.json is refused before: the loaded one stays)."""
         import torch
 
         key = (request.folder if request.local else request.model, request.dtype)
         if self._loaded is not None and self._loaded[0] == key:
             return self._loaded[1]
+        if request.local:  # a folder that is no model costs nothing: the loaded one stays
+            try:
+                read_model_index(Path(request.folder).expanduser())
+            except (ValueError, OSError) as e:
+                raise InputError(f"cannot load {request.folder}: {e}") from e
         self.release()
         if request.local:
             try:
-                pipe = load_pipeline(Path(request.folder).expanduser())
+                pipe = load_pipeline(
+                    Path(request.folder).expanduser(), torch_dtype=getattr(torch, request.dtype)
+                )
             except (ValueError, OSError) as e:  # not loadable: the user's input, not a crash
                 raise InputError(f"cannot load {request.folder}: {e}") from e
         else:
