@@ -107,15 +107,15 @@ int64_t pv_key_chunk_for(const AttentionParams& p) {
 // the VAE's head dim 512 (one core, micro-benchmark of the two products) S^T = K Q^T went from
 // 85 to 91 GFLOP/s and O^T += V^T P^T from 80 to 91 with 64-key passes (P^T chunk 16 KiB; 16
 // and 32 keys: 81 and 88). Whole calls on Zen 3, float32, 2 threads, against rows: VAE
-// mid-block 0.90x / 0.91x the time, Flux and HiDream (head dim 128) 0.94x, SD2.1 96x96 and
-// SDXL 64x64 (64) 0.97x; but the copy is a pass over K and V per call, which short sequences do
+// mid-block 0.91x / 0.92x the time, Flux and HiDream (head dim 128) 0.93x, SD2.1 96x96 and
+// SDXL 64x64 (64) 0.98x; but the copy is a pass over K and V per call, which short sequences do
 // not win back (SD-1.5 16x16, L 256: 1.17x; 8x8: 1.46x; 32x32, L 1024: 1.02x) and head dim 40
 // gains nothing (SD-1.5 64x64: 0.99x); nor do short key sequences (cross-attention to 77 text
 // tokens at 96x96: 1.06x, its P*V then takes two passes instead of one). Hence: head dims from
 // 64 with at least 2048 queries (to share the copy) and 2048 keys, and from kLargeDimV always
-// (V is copied there anyway: aliasing_v_rows). Only
-// with 256-bit vectors: that is where it was measured (AVX-512's 6 x 4 blocks read each
-// broadcast for four vectors, not two; they keep rows until measured).
+// (V is copied there anyway: aliasing_v_rows). Only with 256-bit vectors: that is where it was
+// measured (AVX-512's 6 x 4 blocks read each broadcast for four vectors, not two; they keep
+// rows until measured).
 constexpr bool kPanelsMeasured = kVecBytes == 32;
 constexpr int64_t kPanelMinDim = 64;
 constexpr int64_t kPanelMinLength = 2048;  // queries and keys
