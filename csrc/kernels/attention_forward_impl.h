@@ -569,19 +569,24 @@ int64_t key_limit_for(const AttentionParams& p, const QueryTile& tile) {
   return p.is_causal ? min_i64(p.len_k, tile.q0 + tile.rows) : p.len_k;
 }
 
-// Everything after S^T of keys [k0, k0 + keys) is in ws.st (scaled scores, keys x queries):
-// masks, the online softmax, and O^T (Dv x queries) += V_tile^T P^T, in L1-sized key chunks.
-// `v_rows` are the pair's V rows (row 0 = key 0, `v_row_stride` apart), or with t.v_panels its
-// V panels (pack_value_rows; the stride is then unused). Shared with the int8 kernel
-// (attention_int8_impl.h), which computes S^T differently.
-void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_rows,
-                     int64_t v_row_stride, const QueryTile& tile, int64_t k0, int64_t keys,
-                     ThreadScratch& ws) {
+// Masks and the online softmax of keys [k0, k0 + keys), whose scaled scores are in ws.st (keys x
+// queries): leaves P^T there (float32, in place) and updates m, l and the running O^T.
+void key_tile_probabilities(const AttentionParams& p, const Tiling& t, const QueryTile& tile,
+                            int64_t k0, int64_t keys, ThreadScratch& ws) {
   const int64_t ld = t.schedule.block_q;
   if (p.mask_kind != MaskKind::kNone) apply_user_mask(p, tile, k0, keys, ws.st, ld);
   if (p.is_causal && k0 + keys > tile.q0) apply_causal(tile, k0, keys, ws.st, ld);
   with_count<kTileQueryVecs>(
       tile.vecs, [&](auto vecs) { softmax_update<decltype(vecs)::value>(p, ld, keys, ws); });
+}
+
+// O^T (Dv x queries) += V_tile^T P^T for keys [k0, k0 + keys), in L1-sized key chunks.
+// `v_rows` are the pair's V rows (row 0 = key 0, `v_row_stride` apart), or with t.v_panels its
+// V panels (pack_value_rows; the stride is then unused).
+void accumulate_values(const AttentionParams& p, const Tiling& t, const float* v_rows,
+                       int64_t v_row_stride, const QueryTile& tile, int64_t k0, int64_t keys,
+                       ThreadScratch& ws) {
+  const int64_t ld = t.schedule.block_q;
   for (int64_t j0 = 0; j0 < keys; j0 += t.pv_key_chunk) {
     const int64_t chunk = min_i64(t.pv_key_chunk, keys - j0);
     if (t.v_panels) {
@@ -593,6 +598,16 @@ void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_r
           tile.vecs, ws.ot, ld);
     }
   }
+}
+
+// Everything after S^T of keys [k0, k0 + keys) is in ws.st: masks, the online softmax and
+// O^T += V_tile^T P^T. The int8 kernel (attention_int8_impl.h) computes S^T differently and
+// calls the two halves itself.
+void finish_key_tile(const AttentionParams& p, const Tiling& t, const float* v_rows,
+                     int64_t v_row_stride, const QueryTile& tile, int64_t k0, int64_t keys,
+                     ThreadScratch& ws) {
+  key_tile_probabilities(p, t, tile, k0, keys, ws);
+  accumulate_values(p, t, v_rows, v_row_stride, tile, k0, keys, ws);
 }
 
 template <typename T>

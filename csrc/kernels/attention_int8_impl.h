@@ -26,8 +26,17 @@
 //   saturate unless K had 7 bits, which measured 1.5x the error). vpmaddwd widens the pairs to
 //   int32 sums of four channels.
 // - Scores are dequantized to float32 (acc * q_scale * k_scale + q.mu); masks, the online
-//   softmax, P*V (float32 FMA, exact) and the output are the float32 kernel's
-//   (finish_key_tile, write_output).
+//   softmax and the output are the float32 kernel's (key_tile_probabilities, write_output).
+// - P*V: with AVX2 on 16-bit integers (kIntegerValues), elsewhere in float32 (exact). 8-bit
+//   codes do not suit P: vpmaddubsw needs one unsigned and one signed operand with pairs below
+//   32768, so P would get 7 bits, an absolute step of 1/127 that rounds the many small
+//   probabilities of a long, diffuse row to zero. vpmaddwd multiplies 16-bit pairs into exact
+//   int32 sums and ran at 1.6x the FMA loop's multiply-adds on Zen 3 (one core, operands in
+//   L1, 6 x 2 register blocks: 77 against 50 GMAC/s), so P gets 14 bits (P in [0, 1] times
+//   16383: an absolute step of 6e-5, rounding errors carried from key to key) and V 11 bits
+//   (per channel and key tile, scale max|v| / 1023), and 128-key passes keep the int32 sums
+//   below 2^31 (kIntegerPvKeyChunk). That adds about 1e-3 (relative L1) to the output's error,
+//   a tenth or less of what the 8-bit Q K^T costs.
 // Results are deterministic on one machine (for any thread count). Between variants they differ
 // slightly: the float32 arithmetic that makes the codes rounds differently (FMA contraction,
 // vector widths), so a value at a rounding boundary can get the neighbouring code.
@@ -36,8 +45,9 @@
 // memory): the item reads the pair's queries for the channel factors (every item of a pair
 // computes the same factors; each stores its own copy, so no two threads write one place), then
 // the tile's K rows twice (the mean, then the codes; the second read comes from cache), and
-// writes codes and per-key scales; V rows are packed like the float32 kernel's (16-bit types
-// converted, non-contiguous rows copied), else read in place.
+// writes codes and per-key scales; V likewise (its per-channel maxima, then 16-bit codes in key
+// pairs) with integer P*V, else V rows are packed like the float32 kernel's (16-bit types
+// converted, non-contiguous rows copied) or read in place.
 #pragma once
 #ifndef NPU_ATTN_VEC_BYTES
 #error "define NPU_ATTN_VEC_BYTES before including attention_int8_impl.h"
@@ -57,6 +67,26 @@ namespace {
 constexpr int kInt8ChannelsPerWord = 4;
 constexpr float kCodeMax = 127.0f;  // codes in [-127, 127]: vpsignb/vpmaddubsw never saturate
 
+// P*V on 16-bit integers (vpmaddwd) where the variant has AVX2; float32 elsewhere.
+#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
+constexpr bool kIntegerValues = true;
+#else
+constexpr bool kIntegerValues = false;
+#endif
+constexpr int32_t kProbabilityCodeMax = 16383;  // P in [0, 1] -> [0, 16383]
+constexpr int32_t kValueCodeLimit = 1023;       // V / scale in [-1023, 1023]
+constexpr float kValueCodeMax = kValueCodeLimit;
+// Keys per integer P*V pass: its int32 sums stay below 2^31 (each pair of keys adds at most
+// 2 * 16383 * 1023), then go to the float32 O^T. 128-key passes ran at 77 GMAC/s, 64-key passes
+// (which would allow 15-bit P) at 70 (Zen 3, one core, micro-benchmark): the int32 -> float32
+// step after each pass is what the longer pass saves. Of the splits of the 31 bits, V's bits
+// matter more: 14-bit P and 11-bit V differed from float32 P*V by 1.0e-3 (relative L1, Gaussian
+// values), 15-bit P and 10-bit V by 1.9e-3.
+constexpr int kIntegerPvKeyChunk = 128;
+static_assert(int64_t{kIntegerPvKeyChunk} * kProbabilityCodeMax * kValueCodeLimit <= INT32_MAX,
+              "integer P*V sums of one pass fit in int32");
+constexpr int kKeysPerValueWord = 2;  // two 16-bit codes of consecutive keys per 32-bit word
+
 // Aliasing views: codes and integer scores live in the float workspace.
 typedef uint32_t AliasWord __attribute__((may_alias));
 typedef int32_t AliasInt __attribute__((may_alias));
@@ -66,16 +96,21 @@ struct Int8Plan {
   ForwardSchedule schedule;  // the driver's view (block_q: queries per task)
   Tiling fp;                 // the float32 side: block_k, P*V chunks, V packing, block_q
   int64_t words;             // 32-bit code words per K row and per Q^T column: ceil(D / 4)
+  bool integer_values;       // P*V on 16-bit integers (kIntegerValues): V packed as codes
+  int64_t key_pairs;         // ceil(len_k / 2): 32-bit words per value channel
   // Offsets (in 4-byte units) of a pair's packed parts: K codes (len_k x words), K scales
-  // (len_k), per key tile its K means and the channel factors (2 x head_dim), V rows.
-  int64_t key_scales, tile_stats, v_rows;
+  // (len_k), per key tile its K means and the channel factors (2 x head_dim); then either V
+  // rows (float32 P*V) or V codes (panels of kBlockRows channels x key_pairs words) and per key
+  // tile the value scales and their inverses (2 x head_dim_v).
+  int64_t key_scales, tile_stats, v_rows, v_codes, v_stats;
 };
 
 struct Int8Scratch {
-  ThreadScratch fp;   // Q^T (float), S^T, O^T, m, l of the float32 kernel
-  uint32_t* q_codes;  // words x block_q: 4 channels of one query per word
-  float* q_scales;    // block_q
-  float* q_dot_mean;  // block_q: q . mu of the current key tile
+  ThreadScratch fp;        // Q^T (float), S^T, O^T, m, l of the float32 kernel
+  uint32_t* q_codes;       // words x block_q: 4 channels of one query per word
+  float* q_scales;         // block_q
+  float* q_dot_mean;       // block_q: q . mu of the current key tile
+  float* inverse_factors;  // head_dim: 1 / c_d (quantize_queries)
 };
 
 template <typename T>
@@ -84,17 +119,29 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.fp = plan_tiled<T>(p, threads);
   plan.fp.pack_k = false;  // K is always packed, as codes (below), never as float rows
   plan.fp.k_panels = false;
+  plan.integer_values = kIntegerValues;
+  if (plan.integer_values) {  // V as codes: key tiles and passes start on a key pair
+    plan.fp.pack_v = false;
+    plan.fp.v_panels = false;
+    plan.fp.block_k = round_up(plan.fp.block_k, kKeysPerValueWord);
+    plan.fp.pv_key_chunk = kIntegerPvKeyChunk;
+  }
   ForwardSchedule& s = plan.schedule;
   s = plan.fp.schedule;
   plan.words = ceil_div(p.head_dim, kInt8ChannelsPerWord);
+  plan.key_pairs = ceil_div(p.len_k, kKeysPerValueWord);
   const int64_t tiles = ceil_div(p.len_k, plan.fp.block_k);
   plan.key_scales = p.len_k * plan.words;
   plan.tile_stats = plan.key_scales + p.len_k;
   plan.v_rows = plan.tile_stats + tiles * 2 * p.head_dim;
+  plan.v_codes = plan.v_rows;
+  plan.v_stats = plan.v_codes + ceil_div(p.head_dim_v, kBlockRows) * kBlockRows * plan.key_pairs;
   s.pack_tiles = tiles;
-  s.pair_floats = plan.v_rows + packed_v_floats(p, plan.fp);
+  s.pair_floats = plan.integer_values ? plan.v_stats + tiles * 2 * p.head_dim_v
+                                      : plan.v_rows + packed_v_floats(p, plan.fp);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
-  s.scratch_floats = scratch_floats(p, s.block_q, plan.fp.block_k) + s.block_q * (plan.words + 2);
+  s.scratch_floats =
+      scratch_floats(p, s.block_q, plan.fp.block_k) + s.block_q * (plan.words + 2) + p.head_dim;
   return plan;
 }
 
@@ -114,6 +161,7 @@ Int8Scratch carve_int8_scratch(const AttentionParams& p, const Int8Plan& plan, f
   ws.q_codes = reinterpret_cast<uint32_t*>(rest);
   ws.q_scales = rest + plan.words * block_q;
   ws.q_dot_mean = ws.q_scales + block_q;
+  ws.inverse_factors = ws.q_dot_mean + block_q;
   return ws;
 }
 
@@ -138,21 +186,59 @@ NPU_ATTN_VEC_INLINE IVec round_to_int(Vec x) {
 }
 
 // ---------------------------------------------------------------- packing K
+// The packing loops run along the head dim, kLanes channels at a time (a scalar tail), reading
+// any channel stride: with the scalar loops they were a third of a short call's time (SD-1.5
+// 8x8: 64 keys, head dim 160).
+
+// Channels [d, d + kLanes) of a row whose channels are `sd` elements apart, as floats.
+template <typename T>
+NPU_ATTN_VEC_INLINE Vec load_channels(const T* row, int64_t sd, int64_t d) {
+  if (sd == 1) return load_as_float(row + d);
+  Vec x;
+  for (int i = 0; i < kLanes; ++i) x[i] = to_float(row[(d + i) * sd]);
+  return x;
+}
+
+NPU_ATTN_VEC_INLINE Vec abs_value(Vec x) {
+  return x < 0.0f ? -x : x;
+}
+NPU_ATTN_VEC_INLINE float abs_value(float x) {
+  return x < 0.0f ? -x : x;
+}
+
+// The largest lane, skipping NaN (NaN is carried separately as `non_finite`).
+NPU_ATTN_VEC_INLINE float max_lane(Vec x) {
+  float m = 0.0f;
+  for (int i = 0; i < kLanes; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+NPU_ATTN_VEC_INLINE float sum_lanes(Vec x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+
 // The channel factors c_d of one (batch, kv-head) pair from its queries (every q-head of its
 // GQA group), into `factors`: sqrt(max|q_d| / mean_d max|q_d|); 1 where Q is all zero.
 template <typename T>
 void compute_channel_factors(const AttentionParams& p, int64_t pair, float* factors) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv, group = p.heads_q / p.heads_kv;
-  const int64_t dim = p.head_dim;
+  const int64_t dim = p.head_dim, full = dim / kLanes * kLanes, sd = p.q_stride[3];
   for (int64_t d = 0; d < dim; ++d) factors[d] = 0.0f;
   for (int64_t h = hkv * group; h < (hkv + 1) * group; ++h) {
     const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-    for (int64_t i = 0; i < p.len_q; ++i)
-      for (int64_t d = 0; d < dim; ++d) {
-        const float x = to_float(q_head[i * p.q_stride[2] + d * p.q_stride[3]]);
-        const float ax = x < 0.0f ? -x : x;
-        factors[d] = ax > factors[d] ? ax : factors[d];  // skips NaN: it reaches S through q.mu
+    for (int64_t i = 0; i < p.len_q; ++i) {
+      const T* row = q_head + i * p.q_stride[2];
+      int64_t d = 0;
+      for (; d < full; d += kLanes) {  // skips NaN: it reaches S through q.mu
+        const Vec ax = abs_value(load_channels(row, sd, d)), f = load(factors + d);
+        store(factors + d, ax > f ? ax : f);
       }
+      for (; d < dim; ++d) {
+        const float ax = abs_value(to_float(row[d * sd]));
+        factors[d] = ax > factors[d] ? ax : factors[d];
+      }
+    }
   }
   float mean = 0.0f;
   for (int64_t d = 0; d < dim; ++d) mean += factors[d];
@@ -163,47 +249,139 @@ void compute_channel_factors(const AttentionParams& p, int64_t pair, float* fact
   }
 }
 
+// The per-channel mean of rows [first, end) into `mean` (dim floats).
+template <typename T>
+void channel_means(const T* rows, int64_t sj, int64_t sd, int64_t dim, int64_t first, int64_t end,
+                   float* mean) {
+  const int64_t full = dim / kLanes * kLanes;
+  for (int64_t d = 0; d < dim; ++d) mean[d] = 0.0f;
+  for (int64_t j = first; j < end; ++j) {
+    const T* row = rows + j * sj;
+    int64_t d = 0;
+    for (; d < full; d += kLanes) store(mean + d, load(mean + d) + load_channels(row, sd, d));
+    for (; d < dim; ++d) mean[d] += to_float(row[d * sd]);
+  }
+  const float inv_count = 1.0f / static_cast<float>(end - first);
+  for (int64_t d = 0; d < dim; ++d) mean[d] *= inv_count;
+}
+
+// One K row's codes of (k - mu) * c (channel order, a byte each; zero past the head dim up to
+// `bytes`), returning its scale max |(k - mu) * c| / 127, NaN if the row holds NaN or inf: a
+// non-finite key makes its scores NaN, as in exact attention (the codes cannot carry it).
+template <typename T>
+float quantize_key_row(const T* row, int64_t sd, int64_t dim, const float* mean,
+                       const float* factor, int64_t bytes, int8_t* codes) {
+  const int64_t full = dim / kLanes * kLanes;
+  Vec vmax = splat(0.0f), v_non_finite = splat(0.0f);
+  int64_t d = 0;
+  for (; d < full; d += kLanes) {
+    const Vec x = (load_channels(row, sd, d) - load(mean + d)) * load(factor + d);
+    const Vec ax = abs_value(x);
+    vmax = ax > vmax ? ax : vmax;
+    v_non_finite += x * splat(0.0f);
+  }
+  float amax = max_lane(vmax), non_finite = sum_lanes(v_non_finite);
+  for (; d < dim; ++d) {
+    const float x = (to_float(row[d * sd]) - mean[d]) * factor[d];
+    amax = abs_value(x) > amax ? abs_value(x) : amax;
+    non_finite += x * 0.0f;
+  }
+  const float inv = amax > 0.0f ? kCodeMax / amax : 0.0f;
+  typedef int8_t ByteVec __attribute__((vector_size(kLanes)));
+  for (d = 0; d < full; d += kLanes) {
+    const Vec x = (load_channels(row, sd, d) - load(mean + d)) * load(factor + d);
+    const ByteVec code = __builtin_convertvector(round_to_int(x * splat(inv)), ByteVec);
+    __builtin_memcpy(codes + d, &code, sizeof(code));
+  }
+  for (; d < dim; ++d)
+    codes[d] =
+        static_cast<int8_t>(round_to_int((to_float(row[d * sd]) - mean[d]) * factor[d] * inv));
+  for (; d < bytes; ++d) codes[d] = 0;
+  return amax / kCodeMax + non_finite;
+}
+
 // Keys [tile * block_k, + block_k) of one pair: the tile's channel means and the pair's channel
 // factors, then each key's codes of (k - mu) * c (4 per word) and its scale.
 template <typename T>
 void pack_int8_key_tile(const AttentionParams& p, const Int8Plan& plan, int64_t pair, int64_t tile,
                         float* packed) {
   const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv;
-  const int64_t k0 = tile * plan.fp.block_k, count = min_i64(plan.fp.block_k, p.len_k - k0);
+  const int64_t k0 = tile * plan.fp.block_k, end = min_i64(k0 + plan.fp.block_k, p.len_k);
   const T* k_rows = static_cast<const T*>(p.k) + b * p.k_stride[0] + hkv * p.k_stride[1];
   const int64_t sj = p.k_stride[2], sd = p.k_stride[3], dim = p.head_dim;
   float* mean = tile_means(p, plan, packed, tile);
   float* factor = mean + dim;
   compute_channel_factors<T>(p, pair, factor);
-  for (int64_t d = 0; d < dim; ++d) mean[d] = 0.0f;
-  for (int64_t j = k0; j < k0 + count; ++j)
-    for (int64_t d = 0; d < dim; ++d) mean[d] += to_float(k_rows[j * sj + d * sd]);
-  const float inv_count = 1.0f / static_cast<float>(count);
-  for (int64_t d = 0; d < dim; ++d) mean[d] *= inv_count;
-
-  AliasWord* codes = reinterpret_cast<AliasWord*>(packed);
+  channel_means(k_rows, sj, sd, dim, k0, end, mean);
   float* scales = packed + plan.key_scales;
-  for (int64_t j = k0; j < k0 + count; ++j) {
-    const T* row = k_rows + j * sj;
-    float amax = 0.0f, non_finite = 0.0f;  // NaN if the row holds NaN or inf
-    for (int64_t d = 0; d < dim; ++d) {
-      const float x = (to_float(row[d * sd]) - mean[d]) * factor[d];
-      amax = x > amax ? x : (-x > amax ? -x : amax);
-      non_finite += x * 0.0f;
+  const int64_t row_bytes = plan.words * kInt8ChannelsPerWord;
+  for (int64_t j = k0; j < end; ++j) {
+    int8_t* codes = reinterpret_cast<int8_t*>(packed + j * plan.words);  // little-endian words
+    scales[j] = quantize_key_row(k_rows + j * sj, sd, dim, mean, factor, row_bytes, codes);
+  }
+}
+
+// ---------------------------------------------------------------- packing V (integer P*V)
+// Keys [tile * block_k, + block_k) of one pair's V: per channel d its scale max|v_d| / 1023
+// over the tile's keys (NaN if a value is NaN or inf: the codes cannot carry it, and the scale
+// makes that channel NaN for every query, as exact attention does) and the scale's inverse,
+// then 16-bit codes: word (g, key pair, r) holds channel 6g + r of both keys of the pair (the
+// later key in the high half; 0 past the last key and in the padding channels of the last
+// panel), so the product broadcasts six consecutive words per key pair.
+template <typename T>
+void pack_value_codes(const AttentionParams& p, const Int8Plan& plan, int64_t pair, int64_t tile,
+                      float* packed) {
+  const int64_t b = pair / p.heads_kv, hkv = pair % p.heads_kv, dim = p.head_dim_v;
+  const int64_t full = dim / kLanes * kLanes;
+  const int64_t k0 = tile * plan.fp.block_k, end = min_i64(k0 + plan.fp.block_k, p.len_k);
+  const T* v_rows = static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
+  const int64_t sj = p.v_stride[2], sd = p.v_stride[3];
+  float* scale = packed + plan.v_stats + tile * 2 * dim;
+  float* inverse = scale + dim;
+  for (int64_t d = 0; d < dim; ++d) scale[d] = inverse[d] = 0.0f;  // max |v|, NaN if non-finite
+  for (int64_t j = k0; j < end; ++j) {
+    const T* row = v_rows + j * sj;
+    int64_t d = 0;
+    for (; d < full; d += kLanes) {
+      const Vec x = load_channels(row, sd, d), ax = abs_value(x), m = load(scale + d);
+      store(scale + d, ax > m ? ax : m);
+      store(inverse + d, load(inverse + d) + x * splat(0.0f));
     }
-    const float inv = amax > 0.0f ? kCodeMax / amax : 0.0f;
-    // A non-finite key makes its scores NaN, as in exact attention (the codes cannot carry it).
-    scales[j] = amax / kCodeMax + non_finite;
-    for (int64_t w = 0; w < plan.words; ++w) {
-      uint32_t word = 0;
-      for (int i = 0; i < kInt8ChannelsPerWord; ++i) {
-        const int64_t d = w * kInt8ChannelsPerWord + i;
-        if (d >= dim) break;
-        const int32_t code = round_to_int((to_float(row[d * sd]) - mean[d]) * factor[d] * inv);
-        word |= (static_cast<uint32_t>(code) & 0xFFu) << (8 * i);
-      }
-      codes[j * plan.words + w] = word;
+    for (; d < dim; ++d) {
+      const float x = to_float(row[d * sd]);
+      scale[d] = abs_value(x) > scale[d] ? abs_value(x) : scale[d];
+      inverse[d] += x * 0.0f;
     }
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    const float amax = scale[d], non_finite = inverse[d];
+    inverse[d] = amax > 0.0f ? kValueCodeMax / amax : 0.0f;
+    scale[d] = amax / kValueCodeMax + non_finite;
+  }
+  AliasWord* codes = reinterpret_cast<AliasWord*>(packed + plan.v_codes);
+  const int64_t panels = ceil_div(dim, kBlockRows);
+  for (int64_t j = k0; j < end; j += kKeysPerValueWord) {
+    const T* first = v_rows + j * sj;
+    const T* second = j + 1 < end ? first + sj : nullptr;
+    AliasWord* pair_words = codes + j / kKeysPerValueWord * kBlockRows;  // + panel * panel stride
+    const int64_t panel_stride = plan.key_pairs * kBlockRows;
+    auto put = [&](int64_t d, uint32_t word) {
+      pair_words[d / kBlockRows * panel_stride + d % kBlockRows] = word;
+    };
+    int64_t d = 0;
+    for (; d < full; d += kLanes) {
+      const Vec inv = load(inverse + d);
+      const UVec lo = (UVec)round_to_int(load_channels(first, sd, d) * inv);
+      const UVec hi = second ? (UVec)round_to_int(load_channels(second, sd, d) * inv) : UVec{};
+      const UVec word = (lo & 0xFFFFu) | (hi << 16);
+      for (int i = 0; i < kLanes; ++i) put(d + i, word[i]);
+    }
+    for (; d < dim; ++d) {
+      const uint32_t lo = round_to_int(to_float(first[d * sd]) * inverse[d]);
+      const uint32_t hi = second ? round_to_int(to_float(second[d * sd]) * inverse[d]) : 0;
+      put(d, (lo & 0xFFFFu) | (hi << 16));
+    }
+    for (; d < panels * kBlockRows; ++d) put(d, 0);
   }
 }
 
@@ -214,10 +392,12 @@ void pack_int8_key_tile(const AttentionParams& p, const Int8Plan& plan, int64_t 
 void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const float* factors,
                       const QueryTile& tile, Int8Scratch& ws) {
   const int64_t ld = plan.schedule.block_q;
+  float* inverse = ws.inverse_factors;  // one division per channel, not per element
+  for (int64_t d = 0; d < p.head_dim; ++d) inverse[d] = 1.0f / factors[d];
   for (int64_t v = 0; v < tile.vecs; ++v) {
     Vec amax = splat(0.0f), non_finite = splat(0.0f);  // NaN in lanes holding NaN or inf
     for (int64_t d = 0; d < p.head_dim; ++d) {
-      const Vec x = load(ws.fp.qt + d * ld + v * kLanes) / splat(factors[d]);
+      const Vec x = load(ws.fp.qt + d * ld + v * kLanes) * splat(inverse[d]);
       const Vec ax = x < 0.0f ? -x : x;
       amax = ax > amax ? ax : amax;
       non_finite += x * splat(0.0f);
@@ -229,7 +409,7 @@ void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const floa
       for (int i = 0; i < kInt8ChannelsPerWord; ++i) {
         const int64_t d = w * kInt8ChannelsPerWord + i;
         if (d >= p.head_dim) break;
-        const Vec x = load(ws.fp.qt + d * ld + v * kLanes) / splat(factors[d]);
+        const Vec x = load(ws.fp.qt + d * ld + v * kLanes) * splat(inverse[d]);
         const UVec code = (UVec)round_to_int(x * inv);
         word |= (code & 0xFFu) << (8 * i);
       }
@@ -309,6 +489,110 @@ void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_code
 }
 #endif
 
+// ---------------------------------------------------------------- integer P*V
+#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
+// P^T (float32, keys x queries, in S^T) to 16-bit codes in place: word row jp holds keys 2jp
+// (low half) and 2jp + 1 (high half; 0 past the last key) of every query. Row jp overwrites
+// row jp <= 2jp after rows 2jp and 2jp + 1 were read. A NaN probability gives some code: its
+// query's sum l is NaN then, and so is its output.
+// Each query's rounding error is carried to its next key (error diffusion), so the codes of any
+// run of keys sum to their probabilities' sum within one code. Plain rounding can bias a long
+// tail of similar small probabilities (0.74 -> 1 for every key of the tail), and values sharing
+// an offset turn that into an output error (5% in ALongTailOfSmallProbabilitiesKeepsItsWeight).
+NPU_ATTN_VEC_INLINE IVec probability_code(Vec p, Vec& carry) {
+  const Vec x = p * splat(static_cast<float>(kProbabilityCodeMax)) + carry;
+  IVec code = round_to_int(x);
+  code = code < 0 ? IVec{} : code;
+  code = code > kProbabilityCodeMax ? IVec{} + kProbabilityCodeMax : code;
+  carry = x - __builtin_convertvector(code, Vec);
+  return code;
+}
+
+void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
+  Vec carry[kTileQueryVecs];
+  for (int64_t v = 0; v < vecs; ++v) carry[v] = splat(0.0f);
+  for (int64_t jp = 0; jp * kKeysPerValueWord < keys; ++jp) {
+    const float* first = st + kKeysPerValueWord * jp * ld;
+    const bool has_second = kKeysPerValueWord * jp + 1 < keys;
+    for (int64_t v = 0; v < vecs; ++v) {
+      const IVec lo = probability_code(load(first + v * kLanes), carry[v]);
+      const IVec hi =
+          has_second ? probability_code(load(first + ld + v * kLanes), carry[v]) : IVec{};
+      const UVec word = ((UVec)lo & 0xFFFFu) | ((UVec)hi << 16);
+      __builtin_memcpy(st + jp * ld + v * kLanes, &word, sizeof(word));
+    }
+  }
+}
+
+// O^T rows [6g, 6g + rows) (ld apart) += scale[r] * sum over `pairs` key pairs of the value
+// codes (one panel, six words per key pair) times the probability codes of Cols vectors of
+// queries (pw, one word row per key pair): 6 x Cols int32 accumulators, like the float32 6 x 2
+// register blocks. The accumulators are GCC vector types, not __m256i: with __m256i arrays
+// GCC 12 kept half of them on the stack (46 instead of 77 GMAC/s in a micro-benchmark).
+template <int Cols>
+NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_t* pw, int64_t ld,
+                                           int64_t pairs, const float* scale, int64_t rows,
+                                           float* ot) {
+  IVec acc[kBlockRows][Cols];
+#pragma GCC unroll 8
+  for (int r = 0; r < kBlockRows; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < Cols; ++c) acc[r][c] = IVec{};
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m256i pv[Cols];
+#pragma GCC unroll 4
+    for (int c = 0; c < Cols; ++c)
+      pv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + jp * ld + c * kLanes));
+#pragma GCC unroll 8
+    for (int r = 0; r < kBlockRows; ++r) {
+      const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(panel[jp * kBlockRows + r]));
+#pragma GCC unroll 4
+      for (int c = 0; c < Cols; ++c) acc[r][c] += (IVec)_mm256_madd_epi16(v, pv[c]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < Cols; ++c) {
+      float* o = ot + r * ld + c * kLanes;
+      store(o, load(o) + __builtin_convertvector(acc[r][c], Vec) * splat(scale[r]));
+    }
+}
+
+// O^T += V_tile^T P^T for keys [k0, k0 + keys) of key tile `key_tile` on 16-bit codes.
+void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
+                               const float* pair_pack, const QueryTile& tile, int64_t k0,
+                               int64_t keys, int64_t key_tile, Int8Scratch& ws) {
+  const int64_t ld = plan.schedule.block_q, dim = p.head_dim_v;
+  quantize_probabilities(ws.fp.st, ld, keys, tile.vecs);
+  const AliasWord* codes = reinterpret_cast<const AliasWord*>(pair_pack + plan.v_codes);
+  const float* value_scale = pair_pack + plan.v_stats + key_tile * 2 * dim;
+  const uint32_t* p_words = reinterpret_cast<const uint32_t*>(ws.fp.st);
+  for (int64_t j0 = 0; j0 < keys; j0 += kIntegerPvKeyChunk) {
+    const int64_t pairs = ceil_div(min_i64(kIntegerPvKeyChunk, keys - j0), kKeysPerValueWord);
+    const uint32_t* pw = p_words + j0 / kKeysPerValueWord * ld;
+    for (int64_t g = 0; g * kBlockRows < dim; ++g) {
+      const AliasWord* panel =
+          codes + (g * plan.key_pairs + (k0 + j0) / kKeysPerValueWord) * kBlockRows;
+      const int64_t rows = min_i64(kBlockRows, dim - g * kBlockRows);
+      float scale[kBlockRows];
+      for (int64_t r = 0; r < rows; ++r)
+        scale[r] = value_scale[g * kBlockRows + r] * (1.0f / kProbabilityCodeMax);
+      float* ot = ws.fp.ot + g * kBlockRows * ld;
+      int64_t v = 0;
+      for (; v + 2 <= tile.vecs; v += 2)
+        int16_value_block<2>(panel, pw + v * 8, ld, pairs, scale, rows, ot + v * 8);
+      if (v < tile.vecs)
+        int16_value_block<1>(panel, pw + v * 8, ld, pairs, scale, rows, ot + v * 8);
+    }
+  }
+}
+#else
+void accumulate_integer_values(const AttentionParams&, const Int8Plan&, const float*,
+                               const QueryTile&, int64_t, int64_t, int64_t, Int8Scratch&) {
+  __builtin_unreachable();  // plan_int8 chooses integer P*V only where kIntegerValues
+}
+#endif
+
 // ---------------------------------------------------------------- dequantizing
 // S^T in place, int32 -> float32: s = acc * k_scale[j] * q_scale + q.mu, for keys
 // [k0, k0 + keys) of key tile `key_tile`.
@@ -338,6 +622,19 @@ void dequantize_scores(const AttentionParams& p, const Int8Plan& plan, const flo
 }
 
 // ---------------------------------------------------------------- one task
+// The float32 V rows of float32 P*V (no kIntegerValues): packed, or the caller's.
+struct FloatValues {
+  const float* rows;
+  int64_t row_stride;
+};
+FloatValues float_values(const AttentionParams& p, const Int8Plan& plan, const float* pair_pack,
+                         const QueryTask& task) {
+  if (plan.fp.pack_v) return {pair_pack + plan.v_rows, plan.fp.v_row_floats};
+  const int64_t b = task.tile.batch;
+  return {static_cast<const float*>(p.v) + b * p.v_stride[0] + task.hkv * p.v_stride[1],
+          p.v_stride[2]};
+}
+
 template <typename T>
 void run_int8_query_tile(const AttentionParams& p, const Int8Plan& plan, const QueryTask& task,
                          const float* pair_pack, Int8Scratch& ws) {
@@ -350,22 +647,19 @@ void run_int8_query_tile(const AttentionParams& p, const Int8Plan& plan, const Q
     load_scaled_queries_transposed<T>(p, tile, t, ws.fp.qt);
     quantize_queries(p, plan, channel_factors(p, plan, pair_pack), tile, ws);
   }
-  const float* v_rows;
-  int64_t v_row_stride;
-  if (t.pack_v) {
-    v_rows = pair_pack + plan.v_rows;
-    v_row_stride = t.v_row_floats;
-  } else {
-    v_rows = static_cast<const float*>(p.v) + tile.batch * p.v_stride[0] + task.hkv * p.v_stride[1];
-    v_row_stride = p.v_stride[2];
-  }
   const AliasWord* k_codes = reinterpret_cast<const AliasWord*>(pair_pack);
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     int8_scores(k_codes + k0 * plan.words, plan.words, ws.q_codes, ld, keys, tile.vecs,
                 reinterpret_cast<AliasInt*>(ws.fp.st));
     dequantize_scores(p, plan, pair_pack, tile, k0, keys, k0 / t.block_k, ws);
-    finish_key_tile(p, t, v_rows, v_row_stride, tile, k0, keys, ws.fp);
+    key_tile_probabilities(p, t, tile, k0, keys, ws.fp);
+    if (plan.integer_values) {
+      accumulate_integer_values(p, plan, pair_pack, tile, k0, keys, k0 / t.block_k, ws);
+    } else {
+      const FloatValues v = float_values(p, plan, pair_pack, task);
+      accumulate_values(p, t, v.rows, v.row_stride, tile, k0, keys, ws.fp);
+    }
   }
   write_output<T>(p, tile, t, ws.fp);
 }
@@ -385,7 +679,9 @@ struct Int8Family {
   static void pack(const AttentionParams& p, const Plan& plan, int64_t pair, int64_t key_tile,
                    float* pair_pack) {
     pack_int8_key_tile<T>(p, plan, pair, key_tile, pair_pack);
-    if (plan.fp.pack_v) {  // V like the float32 kernel's packed copy (rows or panels)
+    if (plan.integer_values) {
+      pack_value_codes<T>(p, plan, pair, key_tile, pair_pack);
+    } else if (plan.fp.pack_v) {  // V like the float32 kernel's packed copy (rows or panels)
       const int64_t k0 = key_tile * plan.fp.block_k;
       pack_value_rows<T>(p, plan.fp, pair, k0, min_i64(plan.fp.block_k, p.len_k - k0),
                          pair_pack + plan.v_rows);

@@ -92,13 +92,26 @@ def test_masks_causal_gqa_and_layouts(dtype):
         assert cosine >= 0.999 and rel_l1 <= 3e-2, (kwargs.keys(), cosine, rel_l1)
 
 
+def test_short_calls_run_the_exact_kernel_where_it_is_faster():
+    from npu_attn.attention import ops
+
+    q, k, v = diffusion_like(64, 64, 160)  # SD-1.5 8x8: 4096 scores per head
+    assert ops.INT8_MIN_SCORES > 64 * 64
+    assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts() == {"int8->tiled": 1, "tiled": 1}
+    q, k, v = diffusion_like(256, 256, 160)  # SD-1.5 16x16: quantized
+    assert ops.INT8_MIN_SCORES <= 256 * 256
+    assert not torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts()["int8"] == 1
+
+
 def test_deterministic():
     q, k, v = diffusion_like(512, 700, 72)
     assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="int8"))
 
 
 def test_never_chosen_automatically():
-    q, k, v = diffusion_like(64, 64, 64)
+    q, k, v = diffusion_like(256, 256, 64)
     sdpa(q, k, v)
     npu_attn.set_attention_strategy(None, "auto")
     sdpa(q, k, v)
@@ -147,7 +160,10 @@ def test_unavailable_off_cpu():
 
 
 @pytest.mark.parametrize("family", ["unet", "flux"])
-def test_switches_a_diffusers_model(family):
+def test_switches_a_diffusers_model(family, monkeypatch):
+    from npu_attn.attention import ops
+
+    monkeypatch.setattr(ops, "INT8_MIN_SCORES", 0)  # the tiny models' calls are quantized too
     build, run, _ = FAMILIES[family]
     model = build()
     with torch.no_grad():

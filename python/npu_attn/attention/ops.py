@@ -110,10 +110,13 @@ def _readable(tensor: Tensor):
     return to_dlpack(tensor.detach() if tensor.requires_grad else tensor)
 
 
-def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa, with_lse=True):
+def forward_cpu(
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, with_lse=True, counted_as="tiled"
+):
     """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
     written in place by the kernel, which computes in float32 (lse is always float32).
-    ``with_lse=False`` (callers that drop it) gives (out, None)."""
+    ``with_lse=False`` (callers that drop it) gives (out, None); ``counted_as`` names the call
+    in call_counts()."""
     attn_mask = _kernel_mask(attn_mask)
     b, hq, lq, _ = query.shape
     out = _empty_output(query, value.shape[-1])
@@ -121,7 +124,7 @@ def forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa, with
     # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
     # Python per tensor); the kernel only reads the inputs.
     _choose_variant(query.dtype)
-    counts.count("tiled")  # here, where the kernel runs: counted in compiled graphs too
+    counts.count(counted_as)  # here, where the kernel runs: counted in compiled graphs too
     # Positional: pybind11 matches keywords by name at ~1 us a call. The order is
     # (query, key, value, out, attn_mask, lse, scale, is_causal, enable_gqa, num_threads).
     _C.forward(
@@ -160,9 +163,20 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 # --------------------------------------------------------------------------- int8 forward
+# Below this many scores per (batch, head) the int8 kernel's quantizing passes (channel
+# factors, K and V codes, Q codes) cost more than its integer products save, and the exact
+# kernel is faster: on Zen 3 (2 threads, head dims 64 and 160) int8 ran at 0.59-0.70x the exact
+# kernel's speed at 48-64 tokens, 0.76-0.89x at 96-128, 0.95-1.00x at 192, 1.01-1.06x at 256.
+INT8_MIN_SCORES = 256 * 256
+
+
 def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """The output of the lossy int8 kernel (Q K^T on 8-bit codes; csrc/kernels/
-    attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient."""
+    attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient. Calls
+    smaller than ``INT8_MIN_SCORES`` scores per head run the exact kernel (faster there)."""
+    if query.shape[-2] * key.shape[-2] < INT8_MIN_SCORES:
+        args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        return forward_cpu(*args, with_lse=False, counted_as="int8->tiled")[0]
     attn_mask = _kernel_mask(attn_mask)
     out = _empty_output(query, value.shape[-1])
     variant_choice.ensure_int8()
