@@ -44,13 +44,20 @@ def load_extension(path: str, alias: str):
     return module
 
 
-def make_runner(ext, q, k, v, isa: str, threads: int, backward: bool = False):
+def make_runner(ext, q, k, v, isa: str, threads: int, backward: bool = False, int8: bool = False):
     """A call of build ``ext`` on (q, k, v), and a function giving what it wrote as float32:
-    the forward's output, or with ``backward`` the backward alone (from this build's own
-    forward, run once here) and its dQ, dK and dV concatenated."""
+    the forward's output (the lossy int8 forward's with ``int8``), or with ``backward`` the
+    backward alone (from this build's own forward, run once here) and its dQ, dK and dV
+    concatenated."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
     dlpack = torch.utils.dlpack.to_dlpack
+
+    def forward_int8() -> None:
+        ext.forward_int8(*(dlpack(t) for t in (q, k, v, out)), num_threads=threads, isa=isa)
+
+    if int8:
+        return forward_int8, out.float
 
     def forward() -> None:
         ext.forward(
@@ -83,7 +90,14 @@ def time_once(fn) -> float:
 
 
 def ab_case(
-    case, dtype, builds, isas: list[str], threads: int, repeats: int, backward: bool = False
+    case,
+    dtype,
+    builds,
+    isas: list[str],
+    threads: int,
+    repeats: int,
+    backward: bool = False,
+    int8: bool = False,
 ) -> tuple[float, float, float]:
     """Median seconds of build A and B (variants ``isas``) on one case, and the max |A - B| of
     their outputs."""
@@ -92,7 +106,9 @@ def ab_case(
         torch.randn(case.batch, case.heads, n, case.head_dim, generator=gen).to(dtype)
         for n in (case.len_q, case.len_k, case.len_k)
     )
-    runners = [make_runner(ext, q, k, v, isa, threads, backward) for ext, isa in zip(builds, isas)]
+    runners = [
+        make_runner(ext, q, k, v, isa, threads, backward, int8) for ext, isa in zip(builds, isas)
+    ]
     for run, _ in runners:  # warm-up: workspaces, page faults, AMX state
         run()
     times = [[], []]
@@ -142,22 +158,36 @@ def main(argv=None) -> int:
         action="store_true",
         help="time the backward call alone (each build's gradients from its own forward)",
     )
+    parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="time the lossy int8 forward (forward_int8) instead of the exact one",
+    )
     args = parser.parse_args(argv)
     builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
     pinned = dict(item.split("=", 1) for item in args.isa)
     pinned_a = dict(item.split("=", 1) for item in args.isa_a)
     info = {"cpu": cpu_model(builds[1])}
-    print(f"# A/B ({'backward' if args.backward else 'forward'}): {args.a} vs {args.b}")
+    kind = "backward" if args.backward else "int8 forward" if args.int8 else "forward"
+    print(f"# A/B ({kind}): {args.a} vs {args.b}")
     print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
     print("| shape | dtype | variant (A / B) | A ms | B ms | B/A | max abs diff |")
     print("|---|---|---|---:|---:|---:|---:|")
     ratios: dict[str, list[float]] = {}
     for dtype_name in args.dtypes:
-        isa_b = pinned.get(dtype_name) or builds[1].active_isa(dtype_name)
+        active = builds[1].int8_isa() if args.int8 else builds[1].active_isa(dtype_name)
+        isa_b = pinned.get(dtype_name) or active
         isas = [pinned_a.get(dtype_name, isa_b), isa_b]
         for case in selected_cases(args.filter):
             a, b, diff = ab_case(
-                case, DTYPES[dtype_name], builds, isas, args.threads, args.repeats, args.backward
+                case,
+                DTYPES[dtype_name],
+                builds,
+                isas,
+                args.threads,
+                args.repeats,
+                args.backward,
+                args.int8,
             )
             ratios.setdefault(dtype_name, []).append(b / a)
             variant = isa_b if isas[0] == isa_b else f"{isas[0]} / {isa_b}"

@@ -14,7 +14,7 @@ from npu_attn.tools.attention_share import (
     predicted_step,
     prediction_markdown,
     record_attention_calls,
-    step_prediction,
+    step_predictions,
 )
 from tiny_accel_models import run, tiny_sd15_unet
 
@@ -85,12 +85,27 @@ def test_prediction_arithmetic_and_report(monkeypatch):
     # a step of 10 s with 4 s of attention, made 2x faster: 8 s
     assert predicted_step(10.0, 4.0, 2.0) == pytest.approx(8.0)
     assert predicted_step(10.0, 4.0, 1.0) == pytest.approx(10.0)
-    fake = {"sdpa": {"B2 H8": 4.0, "total": 4.0}, "tiled": {"B2 H8": 2.0, "total": 2.0}}
-    monkeypatch.setattr(attention_share, "attention_seconds", lambda calls, rounds: fake)
-    prediction = step_prediction(10.0, 8.4, {"call": 32}, rounds=1)
-    assert prediction["attention_speedup"] == pytest.approx(2.0)
-    assert prediction["predicted_tiled_step"] == pytest.approx(8.0)
-    assert prediction["measured_vs_predicted"] == pytest.approx(0.05)
-    text = prediction_markdown(prediction)
+    fake = {
+        "sdpa": {"B2 H8": 4.0, "total": 4.0},
+        "tiled": {"B2 H8": 2.0, "total": 2.0},
+        "int8": {"B2 H8": 1.0, "total": 1.0},
+    }
+    replayed = []
+
+    def attention_seconds(calls, strategies, rounds):
+        replayed.append(strategies)
+        return {s: fake[s] for s in strategies}
+
+    monkeypatch.setattr(attention_share, "attention_seconds", attention_seconds)
+    predictions = step_predictions(10.0, {"tiled": 8.4, "int8": 7.0}, {"call": 32}, rounds=1)
+    assert replayed == [("sdpa", "tiled", "int8")]  # one interleaved replay for both
+    tiled, int8 = predictions["tiled"], predictions["int8"]
+    assert tiled["attention_speedup"] == pytest.approx(2.0)
+    assert tiled["predicted_step"] == pytest.approx(8.0)
+    assert tiled["measured_vs_predicted"] == pytest.approx(0.05)
+    assert int8["predicted_step"] == pytest.approx(7.0)  # 4 s of attention made 4x faster
+    assert int8["measured_vs_predicted"] == pytest.approx(0.0)
+    text = prediction_markdown(tiled)
     assert "| **total** (32 calls) | 4.000 | 2.000 | 2.00x |" in text
     assert "Attention is 40% of the sdpa step" in text and "+5.0% against" in text
+    assert "| sdpa s | int8 s |" in prediction_markdown(int8)

@@ -185,6 +185,30 @@ def test_sd_images_still_run(tmp_path):
     assert list(report["seconds_per_image"]) == LABELS
 
 
+def test_step_benchmark_eager_rows_predict_the_tiled_and_int8_steps(tmp_path, capsys):
+    """bench --e2e (per step) on the tiny UNet with --configs eager: no compiles; the eager
+    sdpa, tiled, int8 and channels-last rows; a prediction for tiled and for int8."""
+    argv = ["bench", "--e2e", "--model", "tiny", "--size", "64", "--dtype", "float32"]
+    argv += ["--repeats", "1", "--no-openvino", "--configs", "eager"]
+    assert main([*argv, "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert list(report["seconds_per_step"]) == [
+        "eager sdpa",
+        "eager tiled",
+        "eager int8 (lossy)",
+        "eager tiled + channels-last",
+    ]
+    predictions = report["step_predictions"]
+    assert list(predictions) == ["tiled", "int8"]
+    for strategy, prediction in predictions.items():
+        assert prediction["measured_step"] == report["seconds_per_step"][
+            {"tiled": "eager tiled", "int8": "eager int8 (lossy)"}[strategy]
+        ]
+        assert 0 < prediction["predicted_step"] <= prediction["sdpa_step"] * 10
+    text = capsys.readouterr().out
+    assert "| sdpa s | tiled s |" in text and "| sdpa s | int8 s |" in text
+
+
 def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():
     """The step benchmark's ``+ heap reuse`` row: reuse on and one untimed call first (the
     first step after switching fills the heap); every other row: reuse off, nothing extra."""

@@ -3,12 +3,12 @@
 ``bench --e2e`` measures whole UNet steps; this module explains them. It records every call
 the diffusers default step makes to ``torch.nn.functional.scaled_dot_product_attention``
 (shapes, strides, dtype, flags), replays those calls alone with torch's SDPA and with
-npu_attn's ``tiled`` kernel (fresh tensors of the same layouts, interleaved rounds, medians),
-and predicts the ``tiled`` step from the ``sdpa`` step:
+npu_attn's kernels (``tiled``, and the lossy ``int8``; fresh tensors of the same layouts,
+interleaved rounds, medians), and predicts each one's step from the ``sdpa`` step:
 
     predicted = sdpa step - attention time x (1 - 1 / attention speed-up)
 
-A measured ``tiled`` step close to the prediction says the speed-up reaches the step intact;
+A measured step close to the prediction says the speed-up reaches the step intact;
 one slower than predicted says something around the kernel costs time (layout copies,
 dispatch, cache effects of a long step on the other operators).
 """
@@ -115,48 +115,54 @@ def attention_seconds(
 
 
 def predicted_step(sdpa_step: float, sdpa_attention: float, speedup: float) -> float:
-    """The step time ``tiled`` should reach: the ``sdpa`` step with its attention time divided
-    by the attention speed-up."""
+    """The step time a kernel should reach: the ``sdpa`` step with its attention time divided
+    by the kernel's attention speed-up."""
     return sdpa_step - sdpa_attention * (1.0 - 1.0 / speedup)
 
 
-def step_prediction(
-    sdpa_step: float, measured_step: float, calls: Counter, rounds: int = 5
-) -> dict[str, Any]:
-    """The prediction for the ``tiled`` step and how the measured one compares."""
-    seconds = attention_seconds(calls, rounds=rounds)
-    sdpa_attention, tiled_attention = seconds["sdpa"]["total"], seconds["tiled"]["total"]
-    speedup = sdpa_attention / tiled_attention
-    predicted = predicted_step(sdpa_step, sdpa_attention, speedup)
-    return {
-        "calls": sum(calls.values()),
-        "attention_seconds": seconds,
-        "attention_share_of_sdpa_step": sdpa_attention / sdpa_step,
-        "attention_speedup": speedup,
-        "sdpa_step": sdpa_step,
-        "predicted_tiled_step": predicted,
-        "measured_tiled_step": measured_step,
-        "measured_vs_predicted": measured_step / predicted - 1.0,
-    }
+def step_predictions(
+    sdpa_step: float, measured_steps: dict[str, float], calls: Counter, rounds: int = 5
+) -> dict[str, dict[str, Any]]:
+    """Per strategy of ``measured_steps`` (e.g. ``tiled``, ``int8``; their measured step
+    seconds): the predicted step and how the measured one compares. One replay of the calls
+    times every strategy (interleaved with ``sdpa``)."""
+    seconds = attention_seconds(calls, ("sdpa", *measured_steps), rounds=rounds)
+    sdpa_attention = seconds["sdpa"]["total"]
+    predictions = {}
+    for strategy, measured_step in measured_steps.items():
+        speedup = sdpa_attention / seconds[strategy]["total"]
+        predicted = predicted_step(sdpa_step, sdpa_attention, speedup)
+        predictions[strategy] = {
+            "strategy": strategy,
+            "calls": sum(calls.values()),
+            "attention_seconds": {s: seconds[s] for s in ("sdpa", strategy)},
+            "attention_share_of_sdpa_step": sdpa_attention / sdpa_step,
+            "attention_speedup": speedup,
+            "sdpa_step": sdpa_step,
+            "predicted_step": predicted,
+            "measured_step": measured_step,
+            "measured_vs_predicted": measured_step / predicted - 1.0,
+        }
+    return predictions
 
 
 def prediction_markdown(prediction: dict[str, Any]) -> str:
-    """The prediction as a short table and one line of conclusion."""
-    seconds = prediction["attention_seconds"]
+    """One strategy's prediction as a short table and one line of conclusion."""
+    strategy, seconds = prediction["strategy"], prediction["attention_seconds"]
     lines = [
-        "| attention calls of one step | sdpa s | tiled s | speed-up |",
+        f"| attention calls of one step | sdpa s | {strategy} s | speed-up |",
         "|---|---|---|---|",
     ]
     for label in seconds["sdpa"]:
-        sdpa, tiled = seconds["sdpa"][label], seconds["tiled"][label]
+        sdpa, ours = seconds["sdpa"][label], seconds[strategy][label]
         name = f"**{label}** ({prediction['calls']} calls)" if label == "total" else label
-        lines.append(f"| {name} | {sdpa:.3f} | {tiled:.3f} | {sdpa / tiled:.2f}x |")
+        lines.append(f"| {name} | {sdpa:.3f} | {ours:.3f} | {sdpa / ours:.2f}x |")
     lines.append("")
     lines.append(
         f"Attention is {prediction['attention_share_of_sdpa_step']:.0%} of the sdpa step "
         f"({prediction['sdpa_step']:.2f} s); with its {prediction['attention_speedup']:.2f}x "
-        f"the tiled step should take {prediction['predicted_tiled_step']:.2f} s and took "
-        f"{prediction['measured_tiled_step']:.2f} s "
+        f"the {strategy} step should take {prediction['predicted_step']:.2f} s and took "
+        f"{prediction['measured_step']:.2f} s "
         f"({prediction['measured_vs_predicted']:+.1%} against the prediction)."
     )
     return "\n".join(lines)

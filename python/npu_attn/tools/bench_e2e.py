@@ -6,6 +6,7 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 
 - ``eager sdpa``: the diffusers default (torch's SDPA, original processors), the baseline;
 - ``eager tiled``: npu_attn's kernel, eager;
+- ``eager int8 (lossy)``: npu_attn's opt-in int8 kernel (docs/int8-attention.md), eager;
 - ``compiled sdpa`` / ``compiled tiled``: ``torch.compile`` (inductor) of the same UNet with
   that strategy compiled in;
 - ``compiled sdpa (frozen)`` / ``compiled tiled (frozen)``: ``npu_attn.compile(unet,
@@ -21,9 +22,9 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 Every competitor runs in this process on the same inputs with the same thread count,
 interleaved (round-robin) after a warm-up; compile and conversion times are reported
 separately; the table gives medians and ratios to the baseline and names the machine. Below
-it, the step's attention calls replayed alone with each kernel predict the ``eager tiled``
-step from the ``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the
-measured one.
+it, the step's attention calls replayed alone with each kernel predict the ``eager tiled`` and
+``eager int8`` steps from the ``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`),
+next to the measured ones. ``--configs eager`` runs the eager rows alone (no compiles).
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 BASELINE = "eager sdpa"
+INT8 = "eager int8 (lossy)"
 CL = " + channels-last"
 FROZEN = " (frozen)"
 REUSE = " + heap reuse"
@@ -181,6 +183,27 @@ def torch_runner(unet, inputs: dict, strategy: str, compiled: bool, compiled_une
     return run
 
 
+# The per-step competitors, in report order; the first is the baseline.
+STEP_COMPETITORS = (
+    BASELINE,
+    "eager tiled",
+    INT8,
+    f"eager tiled{CL}",
+    "compiled sdpa",
+    "compiled tiled",
+    f"compiled sdpa{FROZEN}",
+    f"compiled tiled{FROZEN}",
+    f"compiled tiled{FROZEN}{REUSE}",
+    "openvino",
+)
+
+
+def select_step_competitors(wanted: Optional[str]) -> tuple[str, ...]:
+    """The per-step competitors ``--configs`` names (as select_configs picks configurations)."""
+    chosen = select_configs(tuple((name, None, None) for name in STEP_COMPETITORS), wanted)
+    return tuple(name for name, _, _ in chosen)
+
+
 def run(args) -> dict:
     import torch
     from tqdm import tqdm
@@ -189,7 +212,7 @@ def run(args) -> dict:
     from ..graph.mode import compile as compile_components
     from ..runtime import controls as _runtime
     from ..runtime.extension import _C
-    from .attention_share import record_attention_calls, step_prediction
+    from .attention_share import record_attention_calls, step_predictions
     from .bench_report import machine_info
     from .pipelines import vae_scale_factor
 
@@ -199,9 +222,10 @@ def run(args) -> dict:
     _runtime.set_num_threads(threads)
     unet = build_unet(args.model)
     inputs = make_inputs(unet, args.size, dtype, vae_scale_factor(args.model))
+    chosen = select_step_competitors(getattr(args, "configs", None))
     runners: dict[str, Callable] = {}
     setup_seconds: dict[str, float] = {}
-    if not args.no_openvino:
+    if "openvino" in chosen and not args.no_openvino:
         try:
             runners["openvino"], setup_seconds["openvino"] = openvino_runner(
                 unet, inputs, dtype, threads
@@ -216,25 +240,25 @@ def run(args) -> dict:
     for strategy in ("sdpa", "tiled"):
         runners[f"eager {strategy}"] = torch_runner(unet, inputs, strategy, False, None)
         runners[f"compiled {strategy}"] = torch_runner(unet, inputs, strategy, True, compiled_unet)
-    # Frozen graphs on a copy of the module tree that shares the weight tensors (so no second
-    # copy of the weights; only the frozen graphs' prepacked ones), compiled in place by
-    # npu_attn.compile so the unfrozen rows' module is left alone.
-    unet_frozen = copy.deepcopy(unet, memo={id(t): t for t in shared_tensors(unet)})
-    compile_components(unet_frozen, None, mode=args.mode, freeze=True, show_progress=False)
-    for strategy in ("sdpa", "tiled"):
-        runners[f"compiled {strategy}{FROZEN}"] = torch_runner(
-            unet_frozen, inputs, strategy, False, None
-        )
-    if _C.heap_reuse_supported():  # the same frozen graphs, freed memory kept between steps
-        runners[f"compiled tiled{FROZEN}{REUSE}"] = runners[f"compiled tiled{FROZEN}"]
-    # The same weights in channels-last (a copy: the layout is the weights' own).
-    unet_cl = copy.deepcopy(unet)
-    accelerate(unet_cl, channels_last=True)
-    runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
-    order = [BASELINE, "eager tiled", f"eager tiled{CL}", "compiled sdpa", "compiled tiled"]
-    order += [f"compiled sdpa{FROZEN}", f"compiled tiled{FROZEN}"]
-    order += [f"compiled tiled{FROZEN}{REUSE}", "openvino"]
-    names = [n for n in order if n in runners]
+    runners[INT8] = torch_runner(unet, inputs, "int8", False, None)
+    if any(FROZEN in name for name in chosen):
+        # Frozen graphs on a copy of the module tree that shares the weight tensors (so no
+        # second copy of the weights; only the frozen graphs' prepacked ones), compiled in place
+        # by npu_attn.compile so the unfrozen rows' module is left alone.
+        unet_frozen = copy.deepcopy(unet, memo={id(t): t for t in shared_tensors(unet)})
+        compile_components(unet_frozen, None, mode=args.mode, freeze=True, show_progress=False)
+        for strategy in ("sdpa", "tiled"):
+            runners[f"compiled {strategy}{FROZEN}"] = torch_runner(
+                unet_frozen, inputs, strategy, False, None
+            )
+        if _C.heap_reuse_supported():  # the same frozen graphs, freed memory kept between steps
+            runners[f"compiled tiled{FROZEN}{REUSE}"] = runners[f"compiled tiled{FROZEN}"]
+    if f"eager tiled{CL}" in chosen:
+        # The same weights in channels-last (a copy: the layout is the weights' own).
+        unet_cl = copy.deepcopy(unet)
+        accelerate(unet_cl, channels_last=True)
+        runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
+    names = [n for n in STEP_COMPETITORS if n in runners and n in chosen]
     for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
         _set_heap_reuse(name, runners[name])
         start = time.perf_counter()
@@ -250,13 +274,18 @@ def run(args) -> dict:
             times[name].append(time.perf_counter() - start)
     _set_heap_reuse("", None)
     medians = {n: statistics.median(t) for n, t in times.items()}
-    # What the attention kernel's own speed-up predicts for the tiled step (one more sdpa step
-    # records its attention calls, which are then replayed alone).
+    # What the attention kernels' own speed-ups predict for the tiled and int8 steps (one more
+    # sdpa step records its attention calls, which are then replayed alone).
     calls = record_attention_calls(runners[BASELINE])
-    prediction = None
-    if calls:
-        prediction = step_prediction(
-            medians[BASELINE], medians["eager tiled"], calls, rounds=max(3, args.repeats)
+    predictions = {}
+    measured = {
+        s: medians[name]
+        for s, name in (("tiled", "eager tiled"), ("int8", INT8))
+        if name in medians
+    }
+    if calls and measured:
+        predictions = step_predictions(
+            medians[BASELINE], measured, calls, rounds=max(3, args.repeats)
         )
     return {
         "machine": machine_info(threads),
@@ -268,7 +297,7 @@ def run(args) -> dict:
         "all_seconds": times,
         "setup_seconds": setup_seconds,
         "speedup_vs_baseline": {n: medians[BASELINE] / m for n, m in medians.items()},
-        "tiled_step_prediction": prediction,
+        "step_predictions": predictions,
     }
 
 
@@ -691,10 +720,10 @@ def markdown(report: dict) -> str:
             f"| {name} | {seconds:.2f} | {report['speedup_vs_baseline'][name]:.2f}x | "
             f"{'-' if setup is None else f'{setup:.0f}'} |"
         )
-    if report.get("tiled_step_prediction"):
-        from .attention_share import prediction_markdown
+    from .attention_share import prediction_markdown
 
-        lines += ["", prediction_markdown(report["tiled_step_prediction"])]
+    for prediction in report.get("step_predictions", {}).values():
+        lines += ["", prediction_markdown(prediction)]
     return "\n".join(lines)
 
 
@@ -799,8 +828,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument(
         "--configs",
-        help="with --images: only the configurations whose label contains one of these "
-        "comma-separated texts (the diffusers default always runs), e.g. 'frozen,channels-last'",
+        help="only the configurations (with --images) or per-step competitors whose label "
+        "contains one of these comma-separated texts (the diffusers default always runs), "
+        "e.g. 'frozen,channels-last' or 'eager'",
     )
     parser.add_argument(
         "--sdcpp",
