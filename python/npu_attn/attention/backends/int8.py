@@ -1,9 +1,10 @@
 """npu_attn's int8 kernel (CPU): lossy, opt-in, forward only.
 
 SageAttention's method on CPU integer units: K smoothed by its mean, Q's outlier channels moved
-into K, both quantized per token to 8 bits, Q K^T on integers, the softmax and P V exact in
-float32 (csrc/kernels/attention_int8_impl.h; docs/int8-attention.md). Never chosen
-automatically: only ``backend="int8"`` or the ``int8`` strategy run it.
+into K, both quantized per token to 8 bits, Q K^T on integers, the softmax exact in float32,
+P V on 16-bit integer codes with AVX2 (float32 elsewhere) (csrc/kernels/attention_int8_impl.h;
+docs/int8-attention.md). Calls too short to gain run the exact kernel (ops.INT8_MIN_SCORES).
+Never chosen automatically: only ``backend="int8"`` or the ``int8`` strategy run it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class Int8Backend(Backend):
     name = "int8"
     description = (
         "npu_attn's int8 kernel: Q K^T on 8-bit codes (smoothed K, per-token scales), "
-        "softmax and P V in float32; lossy, opt-in, forward only"
+        "softmax in float32, P V on 16-bit codes (AVX2); lossy, opt-in, forward only"
     )
     devices = ("cpu",)
     dtypes = FLOATS
