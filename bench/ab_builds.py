@@ -153,12 +153,13 @@ def main(argv=None) -> int:
         help="a different variant for build A only (to compare two variants of one build, pass "
         "a copy of its .so as --a: one path cannot be loaded twice)",
     )
-    parser.add_argument(
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument(
         "--backward",
         action="store_true",
         help="time the backward call alone (each build's gradients from its own forward)",
     )
-    parser.add_argument(
+    kind.add_argument(
         "--int8",
         action="store_true",
         help="time the lossy int8 forward (forward_int8) instead of the exact one",

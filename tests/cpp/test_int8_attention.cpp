@@ -237,6 +237,22 @@ TEST_P(Int8EveryIsa, ValueProductErrorAlone) {
   }
 }
 
+// The largest sums the integer P*V can make: every probability 1 (Q = 0) and every value at its
+// channel's maximum, over 512 keys (four full 128-key passes): each pass sums 64 key pairs of
+// 2 * 16383 * 1023, just under 2^31. An overflow would wrap to a negative sum.
+TEST_P(Int8EveryIsa, FullIntegerPassesDoNotOverflow) {
+  const Case c{1, 1, 1, 16, 512, 8, 8};
+  Problem pr;
+  build(c, pr, 3);
+  for (float& x : pr.q.storage) x = 0.0f;
+  for (int64_t j = 0; j < c.len_k; ++j)
+    for (int64_t d = 0; d < c.head_dim_v; ++d) pr.v.at({0, 0, j, d}) = d % 2 ? -3.0f : 3.0f;
+  run_attention_int8(make_attention_params(pr.args), GetParam());
+  for (int64_t i = 0; i < c.len_q; ++i)
+    for (int64_t d = 0; d < c.head_dim_v; ++d)
+      EXPECT_NEAR(pr.out.at({0, 0, i, d}), d % 2 ? -3.0f : 3.0f, 1e-4f);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, Int8EveryIsa, ::testing::ValuesIn(compiled_isas()),
                          variant_test_name);
 

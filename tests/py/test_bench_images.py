@@ -201,9 +201,12 @@ def test_step_benchmark_eager_rows_predict_the_tiled_and_int8_steps(tmp_path, ca
     predictions = report["step_predictions"]
     assert list(predictions) == ["tiled", "int8"]
     for strategy, prediction in predictions.items():
-        assert prediction["measured_step"] == report["seconds_per_step"][
-            {"tiled": "eager tiled", "int8": "eager int8 (lossy)"}[strategy]
-        ]
+        assert (
+            prediction["measured_step"]
+            == report["seconds_per_step"][
+                {"tiled": "eager tiled", "int8": "eager int8 (lossy)"}[strategy]
+            ]
+        )
         assert 0 < prediction["predicted_step"] <= prediction["sdpa_step"] * 10
     text = capsys.readouterr().out
     assert "| sdpa s | tiled s |" in text and "| sdpa s | int8 s |" in text

@@ -89,3 +89,15 @@ def test_this_machines_slug_is_file_name_safe_and_names_its_class(monkeypatch):
     assert bench_report.machine_slug().endswith("-emulated")
     monkeypatch.setenv("NPU_ATTN_DISABLE_FEATURES", "")
     assert not bench_report.machine_slug().endswith("-emulated")
+
+
+def test_int8_rows_the_exact_kernel_serves_are_marked():
+    from npu_attn.tools.bench import Case, int8_runs_exact_kernel
+
+    short, long = Case("8x8", 2, 8, 64, 64, 160), Case("16x16", 2, 8, 256, 256, 160)
+    assert int8_runs_exact_kernel(short) and not int8_runs_exact_kernel(long)
+    assert bench_report._int8_error({"int8_relative_l1": 5e-7, "int8_runs_exact_kernel": True}) == (
+        "5.0e-07 (exact kernel)"
+    )
+    assert bench_report._int8_error({"int8_relative_l1": 8e-3}) == "8.0e-03"
+    assert bench_report._int8_error({}) == "-"

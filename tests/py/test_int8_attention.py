@@ -137,7 +137,7 @@ def test_gradients_are_refused_with_a_clear_error():
 
 
 def test_one_op_under_torch_compile():
-    q, k, v = diffusion_like(128, 128, 64)
+    q, k, v = diffusion_like(256, 256, 64)  # quantized (ops.INT8_MIN_SCORES)
     seen = []
 
     def backend(gm, example_inputs):

@@ -39,7 +39,8 @@ StrategyFn = Callable[..., torch.Tensor]
 # --------------------------------------------------------------------------- call counts
 def call_counts() -> dict[str, int]:
     """How many attention calls each implementation served in this process (``tiled`` counts
-    only calls npu_attn's kernel computed; ``tiled->sdpa`` counts its fallbacks)."""
+    only calls npu_attn's kernel computed; ``tiled->sdpa`` counts its fallbacks, ``int8->tiled``
+    the int8 strategy's calls too short to quantize)."""
     return _counts.snapshot()
 
 

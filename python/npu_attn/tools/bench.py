@@ -175,6 +175,14 @@ def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, lis
     return times
 
 
+def int8_runs_exact_kernel(case: Case) -> bool:
+    """Whether the int8 strategy gives this call to the exact kernel (too few scores per head
+    to gain from quantizing: ops.INT8_MIN_SCORES)."""
+    from ..attention import ops
+
+    return case.len_q * case.len_k < ops.INT8_MIN_SCORES
+
+
 def check_agreement(case: Case) -> tuple[float, Optional[float]]:
     """Max |tiled - sdpa| on the case (a benchmark of a wrong kernel is worthless), and the
     lossy int8 kernel's relative L1 error against sdpa (None where it does not run)."""
@@ -273,6 +281,7 @@ def run(args) -> dict:
         row = summarise(case, times, info["peak_gflops"][case.dtype]["gflops"])
         row["max_abs_diff_tiled_vs_sdpa"] = err
         row["int8_relative_l1"] = int8_error
+        row["int8_runs_exact_kernel"] = int8_runs_exact_kernel(case)
         if not args.no_memory:
             row["memory"] = {
                 n: measure_memory(case, n, threads)
