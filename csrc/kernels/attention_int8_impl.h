@@ -398,7 +398,7 @@ void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const floa
     Vec amax = splat(0.0f), non_finite = splat(0.0f);  // NaN in lanes holding NaN or inf
     for (int64_t d = 0; d < p.head_dim; ++d) {
       const Vec x = load(ws.fp.qt + d * ld + v * kLanes) * splat(inverse[d]);
-      const Vec ax = x < 0.0f ? -x : x;
+      const Vec ax = abs_value(x);
       amax = ax > amax ? ax : amax;
       non_finite += x * splat(0.0f);
     }
@@ -598,8 +598,9 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
   const AliasWord* codes = reinterpret_cast<const AliasWord*>(pair_pack + plan.v_codes);
   const float* value_scale = pair_pack + plan.v_stats + key_tile * 2 * dim;
   const uint32_t* p_words = reinterpret_cast<const uint32_t*>(ws.fp.st);
-  for (int64_t j0 = 0; j0 < keys; j0 += kIntegerPvKeyChunk) {
-    const int64_t pairs = ceil_div(min_i64(kIntegerPvKeyChunk, keys - j0), kKeysPerValueWord);
+  const int64_t chunk = plan.fp.pv_key_chunk;  // kIntegerPvKeyChunk (plan_int8): sums fit int32
+  for (int64_t j0 = 0; j0 < keys; j0 += chunk) {
+    const int64_t pairs = ceil_div(min_i64(chunk, keys - j0), kKeysPerValueWord);
     const uint32_t* pw = p_words + j0 / kKeysPerValueWord * ld;
     for (int64_t g = 0; g * kBlockRows < dim; ++g) {
       const AliasWord* panel =
