@@ -108,8 +108,14 @@ CpuFeatures detect_features() {
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512dq = __builtin_cpu_supports("avx512dq");
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx512_bf16 = f.avx512f && (a & (1u << 5));
+  // CPUID leaf 7: subleaf 1 EAX bit 4 AVX-VNNI, bit 5 AVX512-BF16; subleaf 0 ECX bit 11
+  // AVX512-VNNI. Each needs the register state its base (AVX2 or AVX-512 F) already checked.
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) {
+    f.avx_vnni = f.avx2 && (a & (1u << 4));
+    f.avx512_bf16 = f.avx512f && (a & (1u << 5));
+  }
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    f.avx512_vnni = f.avx512f && (c & (1u << 11));
     const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
     if (tile && bf16 && f.avx512f && os_permits_amx()) f.amx_tile = f.amx_bf16 = true;
   }
@@ -161,6 +167,8 @@ constexpr FeatureField kFeatureFields[] = {
     {"avx512bw", &CpuFeatures::avx512bw},
     {"avx512vl", &CpuFeatures::avx512vl},
     {"avx512dq", &CpuFeatures::avx512dq},
+    {"avx_vnni", &CpuFeatures::avx_vnni},
+    {"avx512_vnni", &CpuFeatures::avx512_vnni},
     {"avx512_bf16", &CpuFeatures::avx512_bf16},
     {"amx_tile", &CpuFeatures::amx_tile},
     {"amx_bf16", &CpuFeatures::amx_bf16},
@@ -198,11 +206,12 @@ CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled)
     if (name.empty()) continue;
     features.*cpu_feature_member(name) = false;
   }
-  // A hidden base feature hides the extensions built on it, as on a real CPU: no AVX2 or no
-  // AVX-512 F means no AVX-512 extensions and no AMX either.
+  // A hidden base feature hides the extensions built on it, as on a real CPU: no AVX2 means no
+  // AVX-VNNI; no AVX2 or no AVX-512 F means no AVX-512 extensions and no AMX either.
+  if (!features.avx2) features.avx_vnni = false;
   if (!features.avx2 || !features.avx512f) {
     features.avx512f = features.avx512bw = features.avx512vl = features.avx512dq = false;
-    features.avx512_bf16 = features.amx_tile = features.amx_bf16 = false;
+    features.avx512_vnni = features.avx512_bf16 = features.amx_tile = features.amx_bf16 = false;
   }
   return features;
 }

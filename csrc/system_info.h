@@ -13,6 +13,8 @@ namespace npu_attn {
 struct CpuFeatures {
   bool sse42 = false, avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx_vnni = false;     // AVX-VNNI: vpdpbusd/vpdpwssd, VEX-encoded (ymm)
+  bool avx512_vnni = false;  // AVX512-VNNI: the same products, EVEX-encoded
   bool avx512_bf16 = false;
   bool amx_tile = false, amx_bf16 = false;  // AMX: only when the OS granted the permission
   bool asimd = false;  // AArch64 Advanced SIMD (NEON): part of every ARMv8-A core

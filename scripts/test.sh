@@ -18,13 +18,14 @@ cmake --build build/cpp -j "$JOBS"
 ctest --test-dir build/cpp --output-on-failure -j "$JOBS"
 
 echo "==> C++ tests on emulated CPUs (features masked in the detector)"
-# The CPUs this project meets differ (AMX, AVX512-BF16 without AMX, AVX-512 without BF16, AVX2
-# only); masking the detector runs the dispatch tests and one reference grid per variant as each
-# of them would, whatever CPU this is. Variants a masked CPU cannot run are skipped with the
-# reason.
-for features in "amx_tile,amx_bf16" "avx512_bf16,amx_tile,amx_bf16" "avx512f" "avx2"; do
+# The CPUs this project meets differ (AMX, AVX512-BF16 without AMX, AVX-512 without BF16 or
+# VNNI, AVX2 only); masking the detector runs the dispatch tests, one reference grid per variant
+# and the int8 grid as each of them would, whatever CPU this is. Variants a masked CPU cannot
+# run are skipped with the reason.
+for features in "amx_tile,amx_bf16" "avx_vnni,avx512_vnni,avx512_bf16,amx_tile,amx_bf16" \
+  "avx512f,avx_vnni" "avx2"; do
   NPU_ATTN_DISABLE_FEATURES="$features" build/cpp/tests/cpp/npu_attn_cpp_tests --gtest_brief=1 \
-    --gtest_filter='VariantTable.*:EmulatedCpu.*:EmulatedAmx.*:ThisCpu.*:SystemInfo.*:Kernels/EveryIsa.MatchesReferenceOnShapeGrid/*:Kernels/LowPrecision.ForwardAndBackwardMatchTheReference/*'
+    --gtest_filter='VariantTable.*:EmulatedCpu.*:EmulatedAmx.*:EmulatedVnni.*:ThisCpu.*:SystemInfo.*:Kernels/EveryIsa.MatchesReferenceOnShapeGrid/*:Kernels/LowPrecision.ForwardAndBackwardMatchTheReference/*:Int8Variants.*'
 done
 
 echo "==> C++ tests on AArch64 (cross-built with g++-aarch64-linux-gnu, run under qemu-user)"

@@ -24,7 +24,11 @@
 //   (vpabsb, vpsignb): each product is then at most 127 * 127 and a pair 32258 < 32767, so it
 //   never saturates, with 8-bit codes on both sides (offsetting Q to unsigned bytes would
 //   saturate unless K had 7 bits, which measured 1.5x the error). vpmaddwd widens the pairs to
-//   int32 sums of four channels.
+//   int32 sums of four channels. With VNNI (kVnniProducts: the avx_vnni and avx512_vnni
+//   variants) one vpdpbusd adds four unsigned x signed byte products straight into int32, with
+//   no 16-bit step to saturate: Q's codes are stored offset by 128 (q + 128 in [1, 255]), which
+//   adds 128 * (sum of the key's codes) to every score's sum; packing K stores that per key and
+//   the epilogue subtracts it, so the sums are exactly the AVX2 ones.
 // - Scores are dequantized to float32 (acc * q_scale * k_scale + q.mu); masks, the online
 //   softmax and the output are the float32 kernel's (key_tile_probabilities, write_output).
 // - P*V: with AVX2 on 16-bit integers (kIntegerValues), elsewhere in float32 (exact). 8-bit
@@ -36,7 +40,8 @@
 //   16383: an absolute step of 6e-5, rounding errors carried from key to key) and V 11 bits
 //   (per channel and key tile, scale max|v| / 1023), and 128-key passes keep the int32 sums
 //   below 2^31 (kIntegerPvKeyChunk). That adds about 1e-3 (relative L1) to the output's error,
-//   a tenth or less of what the 8-bit Q K^T costs.
+//   a tenth or less of what the 8-bit Q K^T costs. With VNNI, vpdpwssd fuses vpmaddwd and the
+//   int32 add.
 // Results are deterministic on one machine (for any thread count). Between variants they differ
 // slightly: the float32 arithmetic that makes the codes rounds differently (FMA contraction,
 // vector widths), so a value at a rounding boundary can get the neighbouring code.
@@ -73,6 +78,34 @@ constexpr bool kIntegerValues = true;
 #else
 constexpr bool kIntegerValues = false;
 #endif
+// The integer products on VNNI units (vpdpbusd for Q K^T, vpdpwssd for P*V): the avx_vnni
+// variant (VEX), the avx512_vnni variant (EVEX, on the same ymm code) and the tests'
+// emulation of those instructions on AVX2 (tests/cpp/vnni_emulation.h).
+#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32 && \
+    (defined(__AVXVNNI__) || defined(NPU_ATTN_VNNI_EMULATED))
+constexpr bool kVnniProducts = true;
+NPU_ATTN_VEC_INLINE __m256i dot_bytes(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+  return _mm256_dpbusd_avx_epi32(acc, unsigned_bytes, signed_bytes);
+}
+NPU_ATTN_VEC_INLINE __m256i dot_words(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && NPU_ATTN_VEC_BYTES == 32
+constexpr bool kVnniProducts = true;
+NPU_ATTN_VEC_INLINE __m256i dot_bytes(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+  return _mm256_dpbusd_epi32(acc, unsigned_bytes, signed_bytes);
+}
+NPU_ATTN_VEC_INLINE __m256i dot_words(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_epi32(acc, a, b);
+}
+#else
+constexpr bool kVnniProducts = false;
+#endif
+// vpdpbusd multiplies unsigned by signed bytes: Q's codes are stored with 128 added (each byte's
+// top bit flipped), and 128 * sum(k codes) is subtracted from each key's sums.
+constexpr uint32_t kQueryCodeOffset = kVnniProducts ? 0x80808080u : 0u;
+constexpr int32_t kQueryCodeOffsetByte = 128;
+
 constexpr int32_t kProbabilityCodeMax = 16383;  // P in [0, 1] -> [0, 16383]
 constexpr int32_t kValueCodeLimit = 1023;       // V / scale in [-1023, 1023]
 constexpr float kValueCodeMax = kValueCodeLimit;
@@ -99,10 +132,11 @@ struct Int8Plan {
   bool integer_values;       // P*V on 16-bit integers (kIntegerValues): V packed as codes
   int64_t key_pairs;         // ceil(len_k / 2): 32-bit words per value channel
   // Offsets (in 4-byte units) of a pair's packed parts: K codes (len_k x words), K scales
-  // (len_k), per key tile its K means and the channel factors (2 x head_dim); then either V
-  // rows (float32 P*V) or V codes (panels of kBlockRows channels x key_pairs words) and per key
-  // tile the value scales and their inverses (2 x head_dim_v).
-  int64_t key_scales, tile_stats, v_rows, v_codes, v_stats;
+  // (len_k), with VNNI the int32 offsets 128 * sum(codes) of each key (len_k), per key tile its
+  // K means and the channel factors (2 x head_dim); then either V rows (float32 P*V) or V codes
+  // (panels of kBlockRows channels x key_pairs words) and per key tile the value scales and
+  // their inverses (2 x head_dim_v).
+  int64_t key_scales, key_offsets, tile_stats, v_rows, v_codes, v_stats;
 };
 
 struct Int8Scratch {
@@ -132,7 +166,8 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.key_pairs = ceil_div(p.len_k, kKeysPerValueWord);
   const int64_t tiles = ceil_div(p.len_k, plan.fp.block_k);
   plan.key_scales = p.len_k * plan.words;
-  plan.tile_stats = plan.key_scales + p.len_k;
+  plan.key_offsets = plan.key_scales + p.len_k;
+  plan.tile_stats = plan.key_offsets + (kVnniProducts ? p.len_k : 0);
   plan.v_rows = plan.tile_stats + tiles * 2 * p.head_dim;
   plan.v_codes = plan.v_rows;
   plan.v_stats = plan.v_codes + ceil_div(p.head_dim_v, kBlockRows) * kBlockRows * plan.key_pairs;
@@ -315,9 +350,15 @@ void pack_int8_key_tile(const AttentionParams& p, const Int8Plan& plan, int64_t 
   channel_means(k_rows, sj, sd, dim, k0, end, mean);
   float* scales = packed + plan.key_scales;
   const int64_t row_bytes = plan.words * kInt8ChannelsPerWord;
+  AliasInt* offsets = reinterpret_cast<AliasInt*>(packed + plan.key_offsets);
   for (int64_t j = k0; j < end; ++j) {
     int8_t* codes = reinterpret_cast<int8_t*>(packed + j * plan.words);  // little-endian words
     scales[j] = quantize_key_row(k_rows + j * sj, sd, dim, mean, factor, row_bytes, codes);
+    if (kVnniProducts) {  // what Q's +128 adds to this key's sums
+      int32_t sum = 0;
+      for (int64_t i = 0; i < row_bytes; ++i) sum += codes[i];
+      offsets[j] = kQueryCodeOffsetByte * sum;
+    }
   }
 }
 
@@ -388,7 +429,7 @@ void pack_value_codes(const AttentionParams& p, const Int8Plan& plan, int64_t pa
 // ---------------------------------------------------------------- quantizing Q
 // Q^T (float, scaled, zero in padding lanes) divided by the channel factors, to codes: per query
 // (lane), scale = max |q / c| / 127; word w of a query holds its channels 4w..4w+3 (padding
-// channels: code 0).
+// channels: code 0), each plus 128 with VNNI (kQueryCodeOffset).
 void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const float* factors,
                       const QueryTile& tile, Int8Scratch& ws) {
   const int64_t ld = plan.schedule.block_q;
@@ -413,6 +454,7 @@ void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const floa
         const UVec code = (UVec)round_to_int(x * inv);
         word |= (code & 0xFFu) << (8 * i);
       }
+      word ^= kQueryCodeOffset;  // top bit of each byte: + 128 (mod 256) for codes in [-127, 127]
       __builtin_memcpy(ws.q_codes + w * ld + v * kLanes, &word, sizeof(word));
     }
   }
@@ -425,8 +467,12 @@ void quantize_queries(const AttentionParams& p, const Int8Plan& plan, const floa
 // product: A/B 0.988 geomean over 11 named shapes, 0.969 at SD-1.5 64x64, bit-identical.)
 struct ScoreScales {
   const float* k_scale;     // per key, from the first key of the product
+  const int32_t* k_offset;  // per key, with VNNI: 128 * sum of its codes (kQueryCodeOffset)
   const float* q_scale;     // per query
   const float* q_dot_mean;  // per query: q . mu of the key tile
+  ScoreScales at(int64_t key, int64_t query) const {
+    return {k_scale + key, k_offset + key, q_scale + query, q_dot_mean + query};
+  }
 };
 
 NPU_ATTN_VEC_INLINE Vec dequantized(IVec acc, float k_scale, const float* q_scale,
@@ -434,9 +480,17 @@ NPU_ATTN_VEC_INLINE Vec dequantized(IVec acc, float k_scale, const float* q_scal
   return __builtin_convertvector(acc, Vec) * (splat(k_scale) * load(q_scale)) + load(q_dot_mean);
 }
 
+// Key r's sums (from the first key of `sc`) as the AVX2 scheme would make them: without Q's
+// offset.
+NPU_ATTN_VEC_INLINE IVec without_query_offset(IVec acc, const ScoreScales& sc, int r) {
+  if (kVnniProducts) return acc - sc.k_offset[r];
+  return acc;
+}
+
 #if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
 // Register blocks of 4 keys x 2 query vectors: 8 accumulators, 2 Q words, the K broadcast and
-// its absolute value, the vpmaddwd ones and two temporaries fit AVX2's 16 ymm registers.
+// its absolute value, the vpmaddwd ones and two temporaries fit AVX2's 16 ymm registers. (With
+// VNNI the block keeps this shape: not tuned, no VNNI CPU has been measured.)
 template <int Rows, int Cols>
 NPU_ATTN_VEC_INLINE void int8_block(const AliasWord* k, int64_t words, const uint32_t* q,
                                     int64_t ld, const ScoreScales& sc, float* out) {
@@ -450,18 +504,24 @@ NPU_ATTN_VEC_INLINE void int8_block(const AliasWord* k, int64_t words, const uin
       qv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + w * ld + c * 8));
     for (int r = 0; r < Rows; ++r) {
       const __m256i kb = _mm256_set1_epi32(static_cast<int32_t>(k[r * words + w]));
-      const __m256i k_abs = _mm256_abs_epi8(kb);
-      for (int c = 0; c < Cols; ++c) {
-        // |k| (unsigned) x q * sign(k) (signed): pairs <= 2 * 127 * 127, no saturation
-        const __m256i pairs = _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(qv[c], kb));
-        acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
+      if constexpr (kVnniProducts) {
+        // (q + 128) (unsigned) x k (signed), four products per int32 lane
+        for (int c = 0; c < Cols; ++c) acc[r][c] = dot_bytes(acc[r][c], qv[c], kb);
+      } else {
+        const __m256i k_abs = _mm256_abs_epi8(kb);
+        for (int c = 0; c < Cols; ++c) {
+          // |k| (unsigned) x q * sign(k) (signed): pairs <= 2 * 127 * 127, no saturation
+          const __m256i pairs = _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(qv[c], kb));
+          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
+        }
       }
     }
   }
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c)
       store(out + r * ld + c * 8,
-            dequantized((IVec)acc[r][c], sc.k_scale[r], sc.q_scale + c * 8, sc.q_dot_mean + c * 8));
+            dequantized(without_query_offset((IVec)acc[r][c], sc, r), sc.k_scale[r],
+                        sc.q_scale + c * 8, sc.q_dot_mean + c * 8));
 }
 
 template <int Rows>
@@ -470,11 +530,10 @@ NPU_ATTN_VEC_INLINE void int8_row_block(const AliasWord* k, int64_t words, const
                                         float* out) {
   int64_t v = 0;
   for (; v < vecs; v += 2) {
-    const ScoreScales at{sc.k_scale, sc.q_scale + v * 8, sc.q_dot_mean + v * 8};
     if (v + 2 <= vecs) {
-      int8_block<Rows, 2>(k, words, q + v * 8, ld, at, out + v * 8);
+      int8_block<Rows, 2>(k, words, q + v * 8, ld, sc.at(0, v * 8), out + v * 8);
     } else {
-      int8_block<Rows, 1>(k, words, q + v * 8, ld, at, out + v * 8);
+      int8_block<Rows, 1>(k, words, q + v * 8, ld, sc.at(0, v * 8), out + v * 8);
     }
   }
 }
@@ -482,14 +541,10 @@ NPU_ATTN_VEC_INLINE void int8_row_block(const AliasWord* k, int64_t words, const
 void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_codes, int64_t ld,
                  int64_t keys, int64_t vecs, const ScoreScales& sc, float* st) {
   int64_t j = 0;
-  for (; j + 4 <= keys; j += 4) {
-    const ScoreScales at{sc.k_scale + j, sc.q_scale, sc.q_dot_mean};
-    int8_row_block<4>(k_codes + j * words, words, q_codes, ld, vecs, at, st + j * ld);
-  }
-  for (; j < keys; ++j) {
-    const ScoreScales at{sc.k_scale + j, sc.q_scale, sc.q_dot_mean};
-    int8_row_block<1>(k_codes + j * words, words, q_codes, ld, vecs, at, st + j * ld);
-  }
+  for (; j + 4 <= keys; j += 4)
+    int8_row_block<4>(k_codes + j * words, words, q_codes, ld, vecs, sc.at(j, 0), st + j * ld);
+  for (; j < keys; ++j)
+    int8_row_block<1>(k_codes + j * words, words, q_codes, ld, vecs, sc.at(j, 0), st + j * ld);
 }
 #else
 // Portable: the same integer sums in plain C++ (vectorised by the compiler along queries).
@@ -578,7 +633,13 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
     for (int r = 0; r < kBlockRows; ++r) {
       const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(panel[jp * kBlockRows + r]));
 #pragma GCC unroll 4
-      for (int c = 0; c < Cols; ++c) acc[r][c] += (IVec)_mm256_madd_epi16(v, pv[c]);
+      for (int c = 0; c < Cols; ++c) {
+        if constexpr (kVnniProducts) {
+          acc[r][c] = (IVec)dot_words((__m256i)acc[r][c], v, pv[c]);
+        } else {
+          acc[r][c] += (IVec)_mm256_madd_epi16(v, pv[c]);
+        }
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r)
@@ -670,7 +731,9 @@ void run_int8_query_tile(const AttentionParams& p, const Int8Plan& plan, const Q
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     query_dot_means(p, plan, pair_pack, tile, k0 / t.block_k, ws);
-    const ScoreScales scales{pair_pack + plan.key_scales + k0, ws.q_scales, ws.q_dot_mean};
+    const int32_t* key_offsets = reinterpret_cast<const AliasInt*>(pair_pack + plan.key_offsets);
+    const ScoreScales scales{pair_pack + plan.key_scales + k0, key_offsets + k0, ws.q_scales,
+                             ws.q_dot_mean};
     int8_scores(k_codes + k0 * plan.words, plan.words, ws.q_codes, ld, keys, tile.vecs, scales,
                 ws.fp.st);
     key_tile_probabilities(p, t, tile, k0, keys, ws.fp);

@@ -2,10 +2,11 @@
 #  1. No weak or unique global symbols are *defined*: such symbols (inline functions, template
 #     instantiations) are merged by the linker across translation units, so an AVX-512 copy
 #     could end up being called from the scalar variant on a machine without AVX-512.
-#  2. The scalar object uses no ymm/zmm registers; the avx2 object uses no zmm registers; the
-#     emulated AMX kernels (tests/cpp/amx_emulation.h) contain no real tile instruction, which
-#     an intrinsic the emulation does not replace would leave behind; the neon (AArch64) object
-#     has 4-lane vector FMAs.
+#  2. The scalar object uses no ymm/zmm registers; the avx2 and avx_vnni objects use no zmm
+#     registers; the VNNI objects contain vpdpbusd; the emulated AMX and VNNI kernels
+#     (tests/cpp/amx_emulation.h, vnni_emulation.h) contain no real tile or VNNI instruction,
+#     which an intrinsic the emulation does not replace would leave behind; the neon (AArch64)
+#     object has 4-lane vector FMAs.
 # OBJECTS is a list of "isa=path/to/object.o" entries.
 foreach(entry ${OBJECTS})
   string(REGEX MATCH "^([a-z0-9_]+)=(.*)$" _ "${entry}")
@@ -26,8 +27,14 @@ foreach(entry ${OBJECTS})
   if(isa STREQUAL "scalar" AND asm MATCHES "%[yz]mm")
     message(FATAL_ERROR "scalar: object contains AVX (ymm/zmm) instructions")
   endif()
-  if(isa STREQUAL "avx2" AND asm MATCHES "%zmm")
-    message(FATAL_ERROR "avx2: object contains AVX-512 (zmm) instructions")
+  if(isa MATCHES "^(avx2|avx_vnni|vnni_emulated)$" AND asm MATCHES "%zmm")
+    message(FATAL_ERROR "${isa}: object contains AVX-512 (zmm) instructions")
+  endif()
+  if(isa MATCHES "^(avx_vnni|avx512_vnni)$" AND NOT asm MATCHES "vpdpbusd")
+    message(FATAL_ERROR "${isa}: object contains no vpdpbusd; were the flags applied?")
+  endif()
+  if(isa STREQUAL "vnni_emulated" AND asm MATCHES "(vpdpbusd|vpdpwssd)")
+    message(FATAL_ERROR "vnni_emulated: object contains real VNNI instructions")
   endif()
   if(isa STREQUAL "amx_emulated" AND asm MATCHES "(%tmm|ldtilecfg|sttilecfg|tilerelease)")
     message(FATAL_ERROR "amx_emulated: object contains real AMX instructions")
@@ -35,7 +42,7 @@ foreach(entry ${OBJECTS})
   if(isa STREQUAL "neon" AND NOT asm MATCHES "fmla[ \t]+v[0-9]+\\.4s")
     message(FATAL_ERROR "neon: object contains no 4-lane vector FMA; were the flags applied?")
   endif()
-  if(isa MATCHES "^(avx512|amx_emulated)" AND NOT asm MATCHES "%zmm")
+  if(isa MATCHES "^(avx512|avx512_bf16|amx_emulated)$" AND NOT asm MATCHES "%zmm")
     message(FATAL_ERROR "avx512: object contains no zmm instructions; were the flags applied?")
   endif()
   message(STATUS "${isa}: ok (${object})")

@@ -20,6 +20,7 @@ CpuFeatures every_feature() {
   CpuFeatures f;
   f.sse42 = f.avx2 = f.fma = f.f16c = true;
   f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = true;
+  f.avx_vnni = f.avx512_vnni = true;
   f.amx_tile = f.amx_bf16 = true;
   f.asimd = true;
   return f;
@@ -86,22 +87,42 @@ TEST(VariantTable, ScalarRunsOnACpuWithNoFeatures) {
 }
 
 #if defined(NPU_ATTN_X86)
-// The CPUs this project has met: Sapphire Rapids (AMX), Zen 4 (AVX512-BF16, no AMX), Skylake-SP
-// (AVX-512, no BF16), Haswell-class (AVX2 only). Masking emulates each one.
+// The CPUs this project has met or aims at: Sapphire Rapids (AMX, both VNNI), Zen 4
+// (AVX512-BF16 and AVX512-VNNI, no AMX, no AVX-VNNI), Cascade Lake (AVX512-VNNI, no BF16),
+// Skylake-SP (AVX-512 only), Alder Lake (AVX2 + AVX-VNNI), Zen 3 / Haswell-class (AVX2 only).
+// Masking emulates each one.
 TEST(EmulatedCpu, SapphireRapidsRunsEveryVariant) {
   const CpuFeatures spr = every_feature();
   EXPECT_EQ(default_isa(ElementType::kFloat32, spr), Isa::avx512);
   EXPECT_EQ(default_isa(ElementType::kFloat16, spr), Isa::avx512);
   EXPECT_EQ(default_isa(ElementType::kBFloat16, spr), Isa::amx_bf16);
+  EXPECT_EQ(default_int8_isa(spr), Isa::avx512_vnni);
 }
 
 TEST(EmulatedCpu, Zen4HasNoAmx) {
-  const CpuFeatures zen4 = mask_cpu_features(every_feature(), "amx_tile,amx_bf16");
+  const CpuFeatures zen4 = mask_cpu_features(every_feature(), "amx_tile,amx_bf16,avx_vnni");
   const auto runnable = runnable_isas(zen4);
   EXPECT_FALSE(contains(runnable, Isa::amx_bf16));
+  EXPECT_FALSE(contains(runnable, Isa::avx_vnni));
   EXPECT_TRUE(contains(runnable, Isa::avx512_bf16));
   EXPECT_EQ(default_isa(ElementType::kFloat32, zen4), Isa::avx512);
   EXPECT_EQ(default_isa(ElementType::kBFloat16, zen4), Isa::avx512_bf16);
+  EXPECT_EQ(default_int8_isa(zen4), Isa::avx512_vnni);
+}
+
+TEST(EmulatedCpu, CascadeLakeHasVnniWithoutBf16) {
+  const CpuFeatures clx =
+      mask_cpu_features(every_feature(), "avx_vnni,avx512_bf16,amx_tile,amx_bf16");
+  EXPECT_EQ(runnable_isas(clx).back(), Isa::avx512_vnni);
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, clx), Isa::avx512);
+  EXPECT_EQ(default_int8_isa(clx), Isa::avx512_vnni);
+}
+
+TEST(EmulatedCpu, AlderLakeHasAvxVnniWithoutAvx512) {
+  const CpuFeatures adl = mask_cpu_features(every_feature(), "avx512f");
+  EXPECT_EQ(runnable_isas(adl), (std::vector<Isa>{Isa::scalar, Isa::avx2, Isa::avx_vnni}));
+  for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, adl), Isa::avx2);
+  EXPECT_EQ(default_int8_isa(adl), Isa::avx_vnni);
 }
 
 TEST(EmulatedCpu, AmxWithoutOsPermissionIsNotOffered) {
@@ -111,16 +132,19 @@ TEST(EmulatedCpu, AmxWithoutOsPermissionIsNotOffered) {
 }
 
 TEST(EmulatedCpu, SkylakeHasNoBf16Variants) {
-  const CpuFeatures skx = mask_cpu_features(every_feature(), "avx512_bf16,amx_tile,amx_bf16");
+  const CpuFeatures skx =
+      mask_cpu_features(every_feature(), "avx_vnni,avx512_vnni,avx512_bf16,amx_tile,amx_bf16");
   const auto runnable = runnable_isas(skx);
   EXPECT_EQ(runnable.back(), Isa::avx512);
   for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, skx), Isa::avx512);
+  EXPECT_EQ(default_int8_isa(skx), Isa::avx2);
 }
 
 TEST(EmulatedCpu, Avx2OnlyCpu) {
-  const CpuFeatures hsw = mask_cpu_features(every_feature(), "avx512f");
+  const CpuFeatures hsw = mask_cpu_features(every_feature(), "avx512f,avx_vnni");
   EXPECT_EQ(runnable_isas(hsw), (std::vector<Isa>{Isa::scalar, Isa::avx2}));
   for (ElementType e : kAllElements) EXPECT_EQ(default_isa(e, hsw), Isa::avx2);
+  EXPECT_EQ(default_int8_isa(hsw), Isa::avx2);
 }
 #endif
 
@@ -138,8 +162,12 @@ TEST(EmulatedCpu, AArch64RunsNeonForEveryType) {
 TEST(EmulatedCpu, HidingABaseFeatureHidesItsExtensions) {
   for (const char* base : {"avx512f", "avx2"}) {
     const CpuFeatures f = mask_cpu_features(every_feature(), base);
-    EXPECT_FALSE(f.avx512f || f.avx512bw || f.avx512_bf16 || f.amx_tile || f.amx_bf16) << base;
+    EXPECT_FALSE(f.avx512f || f.avx512bw || f.avx512_vnni || f.avx512_bf16 || f.amx_tile ||
+                 f.amx_bf16)
+        << base;
   }
+  EXPECT_FALSE(mask_cpu_features(every_feature(), "avx2").avx_vnni);
+  EXPECT_TRUE(mask_cpu_features(every_feature(), "avx512f").avx_vnni);
   EXPECT_TRUE(mask_cpu_features(every_feature(), "amx_tile").avx512_bf16);
 }
 

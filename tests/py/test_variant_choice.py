@@ -23,9 +23,9 @@ COMPILED = npu_attn.runtime.build_info()["compiled_isas"]
 X86 = "avx512" in COMPILED
 # CPUs this project has met, as feature masks over a machine that has at least their features.
 EMULATED_CPUS = {
-    "zen4 (avx512_bf16, no amx)": "amx_tile,amx_bf16",
-    "skylake (avx512, no bf16)": "avx512_bf16,amx_tile,amx_bf16",
-    "haswell (avx2 only)": "avx512f",
+    "zen4 (avx512_bf16, no amx)": "amx_tile,amx_bf16,avx_vnni",
+    "skylake (avx512, no vnni or bf16)": "avx512_vnni,avx512_bf16,amx_tile,amx_bf16,avx_vnni",
+    "haswell (avx2 only)": "avx512f,avx_vnni",
     "no simd": "avx2",
 }
 
@@ -276,12 +276,16 @@ def test_emulated_cpus_choose_only_what_they_can_run_and_stay_correct(cpu, tmp_p
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     masked = set(EMULATED_CPUS[cpu].split(","))
-    if masked & {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx2"}:
+    if masked & {"amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"}:
         assert "amx_bf16" not in report["runnable"]
-    if masked & {"avx512_bf16", "avx512f", "avx2"}:
+    if masked & {"avx512_bf16", "avx512_vnni", "avx512f", "avx2"}:
         assert "avx512_bf16" not in report["runnable"]
     if masked & {"avx512f", "avx2"}:
         assert "avx512" not in report["runnable"]
+    if masked & {"avx512_vnni", "avx512f", "avx2"}:
+        assert "avx512_vnni" not in report["runnable"]
+    if masked & {"avx_vnni", "avx2"}:
+        assert "avx_vnni" not in report["runnable"]
     if "avx2" in masked:
         assert report["runnable"] == ["scalar"]
     for entry in report["variants"].values():
