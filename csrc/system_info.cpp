@@ -116,8 +116,11 @@ CpuFeatures detect_features() {
   }
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
     f.avx512_vnni = f.avx512f && (c & (1u << 11));
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    if (tile && bf16 && f.avx512f && os_permits_amx()) f.amx_tile = f.amx_bf16 = true;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22), int8 = d & (1u << 25);
+    if (tile && bf16 && f.avx512f && os_permits_amx()) {
+      f.amx_tile = f.amx_bf16 = true;
+      f.amx_int8 = int8;
+    }
   }
   return f;
 }
@@ -172,6 +175,7 @@ constexpr FeatureField kFeatureFields[] = {
     {"avx512_bf16", &CpuFeatures::avx512_bf16},
     {"amx_tile", &CpuFeatures::amx_tile},
     {"amx_bf16", &CpuFeatures::amx_bf16},
+    {"amx_int8", &CpuFeatures::amx_int8},
     {"asimd", &CpuFeatures::asimd},
 };
 
@@ -211,8 +215,10 @@ CpuFeatures mask_cpu_features(CpuFeatures features, const std::string& disabled)
   if (!features.avx2) features.avx_vnni = false;
   if (!features.avx2 || !features.avx512f) {
     features.avx512f = features.avx512bw = features.avx512vl = features.avx512dq = false;
-    features.avx512_vnni = features.avx512_bf16 = features.amx_tile = features.amx_bf16 = false;
+    features.avx512_vnni = features.avx512_bf16 = false;
+    features.amx_tile = features.amx_bf16 = features.amx_int8 = false;
   }
+  if (!features.amx_tile) features.amx_bf16 = features.amx_int8 = false;
   return features;
 }
 

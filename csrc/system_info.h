@@ -16,7 +16,8 @@ struct CpuFeatures {
   bool avx_vnni = false;     // AVX-VNNI: vpdpbusd/vpdpwssd, VEX-encoded (ymm)
   bool avx512_vnni = false;  // AVX512-VNNI: the same products, EVEX-encoded
   bool avx512_bf16 = false;
-  bool amx_tile = false, amx_bf16 = false;  // AMX: only when the OS granted the permission
+  // AMX: only when the OS granted the permission
+  bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool asimd = false;  // AArch64 Advanced SIMD (NEON): part of every ARMv8-A core
   std::vector<std::string> names() const;  // the ones present, e.g. {"avx2", "fma", ...}
 };

@@ -28,7 +28,9 @@
 //   variants) one vpdpbusd adds four unsigned x signed byte products straight into int32, with
 //   no 16-bit step to saturate: Q's codes are stored offset by 128 (q + 128 in [1, 255]), which
 //   adds 128 * (sum of the key's codes) to every score's sum; packing K stores that per key and
-//   the epilogue subtracts it, so the sums are exactly the AVX2 ones.
+//   the epilogue subtracts it, so the sums are exactly the AVX2 ones. With AMX-INT8
+//   (kTileScores: the amx_int8 variant) tdpbssd multiplies signed bytes on both sides, 16 keys x
+//   16 queries x 64 channels per instruction, on K rows padded to whole tiles.
 // - Scores are dequantized to float32 (acc * q_scale * k_scale + q.mu); masks, the online
 //   softmax and the output are the float32 kernel's (key_tile_probabilities, write_output).
 // - P*V: with AVX2 on 16-bit integers (kIntegerValues), elsewhere in float32 (exact). 8-bit
@@ -61,6 +63,10 @@
 #include <cstdint>
 
 #include "attention_forward_impl.h"
+
+#if defined(__AMX_INT8__) || defined(NPU_ATTN_AMX_EMULATED)
+#include "amx_tiles_impl.h"
+#endif
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -101,9 +107,25 @@ NPU_ATTN_VEC_INLINE __m256i dot_words(__m256i acc, __m256i a, __m256i b) {
 #else
 constexpr bool kVnniProducts = false;
 #endif
+// Q K^T on AMX tiles: tdpbssd multiplies signed by signed bytes, 16 keys x 16 queries x 64
+// channels per instruction (the amx_int8 variant; in the tests, the software tile unit of
+// tests/cpp/amx_emulation.h). K code rows are padded to whole tiles: 64 channels, 16 keys.
+#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32 && \
+    (defined(__AMX_INT8__) || defined(NPU_ATTN_AMX_EMULATED))
+#define NPU_ATTN_INT8_TILES 1
+constexpr bool kTileScores = true;
+#else
+#define NPU_ATTN_INT8_TILES 0
+constexpr bool kTileScores = false;
+#endif
+constexpr int64_t kTileScoreRows = 16;   // keys per C tile; queries per C tile
+constexpr int64_t kTileScoreWords = 16;  // code words (64 channels) per A row and B column
+
 // vpdpbusd multiplies unsigned by signed bytes: Q's codes are stored with 128 added (each byte's
-// top bit flipped), and 128 * sum(k codes) is subtracted from each key's sums.
-constexpr uint32_t kQueryCodeOffset = kVnniProducts ? 0x80808080u : 0u;
+// top bit flipped), and 128 * sum(k codes) is subtracted from each key's sums. (Not with AMX
+// tiles, whose tdpbssd takes signed bytes on both sides.)
+constexpr bool kOffsetQueryCodes = kVnniProducts && !kTileScores;
+constexpr uint32_t kQueryCodeOffset = kOffsetQueryCodes ? 0x80808080u : 0u;
 constexpr int32_t kQueryCodeOffsetByte = 128;
 
 constexpr int32_t kProbabilityCodeMax = 16383;  // P in [0, 1] -> [0, 16383]
@@ -128,7 +150,8 @@ typedef int32_t AliasInt __attribute__((may_alias));
 struct Int8Plan {
   ForwardSchedule schedule;  // the driver's view (block_q: queries per task)
   Tiling fp;                 // the float32 side: block_k, P*V chunks, V packing, block_q
-  int64_t words;             // 32-bit code words per K row and per Q^T column: ceil(D / 4)
+  int64_t words;             // 32-bit code words per K row and Q^T column: ceil(D / 4) (tiles: x16)
+  int64_t key_rows;          // K code rows: len_k (tiles: rounded up to whole tiles of 16)
   bool integer_values;       // P*V on 16-bit integers (kIntegerValues): V packed as codes
   int64_t key_pairs;         // ceil(len_k / 2): 32-bit words per value channel
   // Offsets (in 4-byte units) of a pair's packed parts: K codes (len_k x words), K scales
@@ -154,20 +177,27 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.fp.pack_k = false;  // K is always packed, as codes (below), never as float rows
   plan.fp.k_panels = false;
   plan.integer_values = kIntegerValues;
-  if (plan.integer_values) {  // V as codes: key tiles and passes start on a key pair
+  // Key tiles of whole C tiles (AMX: S^T holds the 16 rows of each) in every variant, so that
+  // every variant smooths K over the same key tiles and their codes agree wherever their
+  // arithmetic does (this also starts every tile on a key pair of the 16-bit V codes).
+  static_assert(kMinQueryTile % kTileScoreRows == 0, "query tiles are whole C tiles");
+  static_assert(kTileScoreRows % kKeysPerValueWord == 0, "key tiles start on a key pair");
+  plan.fp.block_k = round_up(plan.fp.block_k, kTileScoreRows);
+  if (plan.integer_values) {  // V as codes
     plan.fp.pack_v = false;
     plan.fp.v_panels = false;
-    plan.fp.block_k = round_up(plan.fp.block_k, kKeysPerValueWord);
     plan.fp.pv_key_chunk = kIntegerPvKeyChunk;
   }
   ForwardSchedule& s = plan.schedule;
   s = plan.fp.schedule;
-  plan.words = ceil_div(p.head_dim, kInt8ChannelsPerWord);
+  plan.words =
+      round_up(ceil_div(p.head_dim, kInt8ChannelsPerWord), kTileScores ? kTileScoreWords : 1);
+  plan.key_rows = round_up(p.len_k, kTileScores ? kTileScoreRows : 1);
   plan.key_pairs = ceil_div(p.len_k, kKeysPerValueWord);
   const int64_t tiles = ceil_div(p.len_k, plan.fp.block_k);
-  plan.key_scales = p.len_k * plan.words;
+  plan.key_scales = plan.key_rows * plan.words;
   plan.key_offsets = plan.key_scales + p.len_k;
-  plan.tile_stats = plan.key_offsets + (kVnniProducts ? p.len_k : 0);
+  plan.tile_stats = plan.key_offsets + (kOffsetQueryCodes ? p.len_k : 0);
   plan.v_rows = plan.tile_stats + tiles * 2 * p.head_dim;
   plan.v_codes = plan.v_rows;
   plan.v_stats = plan.v_codes + ceil_div(p.head_dim_v, kBlockRows) * kBlockRows * plan.key_pairs;
@@ -354,11 +384,14 @@ void pack_int8_key_tile(const AttentionParams& p, const Int8Plan& plan, int64_t 
   for (int64_t j = k0; j < end; ++j) {
     int8_t* codes = reinterpret_cast<int8_t*>(packed + j * plan.words);  // little-endian words
     scales[j] = quantize_key_row(k_rows + j * sj, sd, dim, mean, factor, row_bytes, codes);
-    if (kVnniProducts) {  // what Q's +128 adds to this key's sums
+    if (kOffsetQueryCodes) {  // what Q's +128 adds to this key's sums
       int32_t sum = 0;
       for (int64_t i = 0; i < row_bytes; ++i) sum += codes[i];
       offsets[j] = kQueryCodeOffsetByte * sum;
     }
+  }
+  if (end == p.len_k) {  // the rows that pad the last C tile: zero codes (tiles only)
+    for (int64_t i = p.len_k * plan.words; i < plan.key_rows * plan.words; ++i) packed[i] = 0.0f;
   }
 }
 
@@ -483,11 +516,41 @@ NPU_ATTN_VEC_INLINE Vec dequantized(IVec acc, float k_scale, const float* q_scal
 // Key r's sums (from the first key of `sc`) as the AVX2 scheme would make them: without Q's
 // offset.
 NPU_ATTN_VEC_INLINE IVec without_query_offset(IVec acc, const ScoreScales& sc, int r) {
-  if (kVnniProducts) return acc - sc.k_offset[r];
+  if (kOffsetQueryCodes) return acc - sc.k_offset[r];
   return acc;
 }
 
-#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
+#if NPU_ATTN_INT8_TILES
+// On AMX tiles: per 16 keys, C tiles of 16 keys x 16 queries (int32) from A = the keys' code rows
+// (16 words = 64 channels per load; K rows are padded to whole tiles, plan_int8) and B = 16 word
+// rows of Q codes (ld apart, 16 queries each). The int32 sums are stored into S^T (ld is 16, 32
+// or 64: whole C tiles) and dequantized in place while they are in L1. Columns past the tile's
+// queries get sums of stale codes that nothing reads.
+void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_codes, int64_t ld,
+                 int64_t keys, int64_t vecs, const ScoreScales& sc, float* st) {
+  const int64_t queries = round_up(vecs * kLanes, kTileScoreRows);
+  const int64_t a_stride = words * 4, b_stride = ld * 4;  // bytes
+  for (int64_t j = 0; j < keys; j += kTileScoreRows) {
+    for (int64_t i = 0; i < queries; i += kTileScoreRows) {
+      _tile_zero(0);
+      for (int64_t w = 0; w < words; w += kTileScoreWords) {
+        _tile_loadd(4, k_codes + j * words + w, a_stride);
+        _tile_loadd(6, q_codes + w * ld + i, b_stride);
+        _tile_dpbssd(0, 4, 6);
+      }
+      _tile_stored(0, st + j * ld + i, b_stride);
+    }
+    for (int64_t r = j; r < min_i64(j + kTileScoreRows, keys); ++r) {
+      for (int64_t v = 0; v < vecs; ++v) {
+        IVec acc;
+        __builtin_memcpy(&acc, st + r * ld + v * kLanes, sizeof(acc));
+        store(st + r * ld + v * kLanes,
+              dequantized(acc, sc.k_scale[r], sc.q_scale + v * kLanes, sc.q_dot_mean + v * kLanes));
+      }
+    }
+  }
+}
+#elif defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
 // Register blocks of 4 keys x 2 query vectors: 8 accumulators, 2 Q words, the K broadcast and
 // its absolute value, the vpmaddwd ones and two temporaries fit AVX2's 16 ymm registers. (With
 // VNNI the block keeps this shape: not tuned, no VNNI CPU has been measured.)
@@ -756,9 +819,16 @@ struct Int8Family {
 
   static Plan make_plan(const AttentionParams& p, int threads) { return plan_int8<T>(p, threads); }
   static Scratch enter_thread(const AttentionParams& p, const Plan& plan, float* scratch) {
+#if NPU_ATTN_INT8_TILES
+    configure_tiles();
+#endif
     return carve_int8_scratch(p, plan, scratch);
   }
-  static void leave_thread(Scratch&) {}
+  static void leave_thread(Scratch&) {
+#if NPU_ATTN_INT8_TILES
+    _tile_release();
+#endif
+  }
   static void pack(const AttentionParams& p, const Plan& plan, int64_t pair, int64_t key_tile,
                    float* pair_pack) {
     pack_int8_key_tile<T>(p, plan, pair, key_tile, pair_pack);

@@ -1,18 +1,20 @@
 // A software tile unit, so the AMX kernels' code (tiling, packing, operand layouts, tile
-// configuration) is tested on every CPU with AVX512-BF16, not only on the AMX machines a session
-// happens to get. Included before an AMX kernel header, it replaces
-// GCC's AMX intrinsics (_tile_loadconfig, _tile_release, _tile_loadd, _tile_stored, _tile_zero,
-// _tile_dpbf16ps) by functions on per-thread tile registers in memory.
+// configuration) is tested on CPUs without AMX (the bfloat16 kernels wherever AVX512-BF16 runs,
+// the int8 kernel on any AVX2 CPU), not only on the AMX machines a session happens to get.
+// Included before an AMX kernel header, it replaces GCC's AMX intrinsics (_tile_loadconfig,
+// _tile_release, _tile_loadd, _tile_stored, _tile_zero, _tile_dpbf16ps, _tile_dpbssd) by
+// functions on per-thread tile registers in memory.
 //
 // It checks what the hardware would fault on: a tile used before a configuration was loaded
 // or after it was released, a palette other than 1, non-zero reserved configuration bytes, a
 // tile with zero rows or more than 16 rows or 64 bytes, tdpbf16ps operands that are not three
-// distinct tiles, and tdpbf16ps operands whose configured shapes do not chain (A rows = C rows,
-// A bytes per row = 4 x B rows, B bytes per row = C bytes per row). Such a misuse prints what
-// was wrong and aborts (test_amx_emulation.cpp checks each). Arithmetic follows tdpbf16ps:
+// distinct tiles, and tdpbf16ps/tdpbssd operands whose configured shapes do not chain (A rows =
+// C rows, A bytes per row = 4 x B rows, B bytes per row = C bytes per row). Such a misuse prints
+// what was wrong and aborts (test_amx_emulation.cpp checks each). Arithmetic follows tdpbf16ps:
 // each bfloat16 pair product is exact in float32 and added to the float32 accumulator (the
 // hardware's summation order and denormal flushing may differ in the last bit; the tests'
-// tolerances are far wider).
+// tolerances are far wider); and tdpbssd: four signed byte products per int32 lane, added
+// exactly (the int32 sum wraps).
 //
 // Test-only: slow (one scalar multiply-add per bfloat16 pair) and never part of the library.
 #pragma once
@@ -113,17 +115,25 @@ inline float bf16_at(const uint8_t* row, int index) {
   return f;
 }
 
-// C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1], A and B bfloat16, C float32.
-inline void dpbf16ps(int c, int a, int b) {
+// What tdpbf16ps and tdpbssd fault on: operands that are not three distinct configured tiles, or
+// whose shapes do not chain (A rows = C rows, A's 4-byte words per row = B rows, B row bytes =
+// C row bytes).
+inline void check_product(int c, int a, int b) {
   check_tile(c);
   check_tile(a);
   check_tile(b);
-  if (c == a || c == b || a == b) fail("tdpbf16ps needs three distinct tiles", c);
+  if (c == a || c == b || a == b) fail("tile products need three distinct tiles", c);
+  const TileUnit& u = unit();
+  if (u.rows[a] != u.rows[c]) fail("A rows differ from C rows", a);
+  if (u.rows[b] != u.bytes_per_row[a] / 4) fail("B rows differ from A's pairs per row", b);
+  if (u.bytes_per_row[b] != u.bytes_per_row[c]) fail("B row bytes differ from C's", b);
+}
+
+// C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1], A and B bfloat16, C float32.
+inline void dpbf16ps(int c, int a, int b) {
+  check_product(c, a, b);
   TileUnit& u = unit();
   const int m_rows = u.rows[c], n_cols = u.bytes_per_row[c] / 4, k_pairs = u.bytes_per_row[a] / 4;
-  if (u.rows[a] != m_rows) fail("A rows differ from C rows", a);
-  if (u.rows[b] != k_pairs) fail("B rows differ from A's pairs per row", b);
-  if (u.bytes_per_row[b] != u.bytes_per_row[c]) fail("B row bytes differ from C's", b);
   for (int m = 0; m < m_rows; ++m) {
     for (int n = 0; n < n_cols; ++n) {
       float acc;
@@ -132,6 +142,26 @@ inline void dpbf16ps(int c, int a, int b) {
         acc += bf16_at(u.data[a][m], 2 * k) * bf16_at(u.data[b][k], 2 * n);
         acc += bf16_at(u.data[a][m], 2 * k + 1) * bf16_at(u.data[b][k], 2 * n + 1);
       }
+      std::memcpy(u.data[c][m] + 4 * n, &acc, sizeof(acc));
+    }
+  }
+}
+
+// C[m][n] += sum_k sum_i A[m][4k+i] B[k][4n+i], A and B signed bytes, C int32 (wrapping).
+inline void dpbssd(int c, int a, int b) {
+  check_product(c, a, b);
+  TileUnit& u = unit();
+  const int m_rows = u.rows[c], n_cols = u.bytes_per_row[c] / 4, k_words = u.bytes_per_row[a] / 4;
+  for (int m = 0; m < m_rows; ++m) {
+    for (int n = 0; n < n_cols; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, u.data[c][m] + 4 * n, sizeof(acc));
+      uint32_t sum = static_cast<uint32_t>(acc);
+      for (int k = 0; k < k_words; ++k)
+        for (int i = 0; i < 4; ++i)
+          sum += static_cast<uint32_t>(static_cast<int8_t>(u.data[a][m][4 * k + i]) *
+                                       static_cast<int8_t>(u.data[b][k][4 * n + i]));
+      acc = static_cast<int32_t>(sum);
       std::memcpy(u.data[c][m] + 4 * n, &acc, sizeof(acc));
     }
   }
@@ -147,10 +177,12 @@ inline void dpbf16ps(int c, int a, int b) {
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_dpbssd
 #define _tile_loadconfig(config) ::npu_attn::amx_emulation::load_config(config)
 #define _tile_release() ::npu_attn::amx_emulation::release()
 #define _tile_loadd(tile, base, stride) ::npu_attn::amx_emulation::load(tile, base, stride)
 #define _tile_stored(tile, base, stride) ::npu_attn::amx_emulation::store(tile, base, stride)
 #define _tile_zero(tile) ::npu_attn::amx_emulation::zero(tile)
 #define _tile_dpbf16ps(c, a, b) ::npu_attn::amx_emulation::dpbf16ps(c, a, b)
+#define _tile_dpbssd(c, a, b) ::npu_attn::amx_emulation::dpbssd(c, a, b)
 #define NPU_ATTN_AMX_EMULATED 1

@@ -69,6 +69,33 @@ TEST_F(AmxEmulation, DotProductOfBfloat16PairsAccumulatesInFloat32) {
   }
 }
 
+TEST_F(AmxEmulation, DotProductOfSignedBytesAccumulatesInInt32) {
+  // C (2 x 2 int32) += A (2 rows x 2 words of 4 bytes) . B (2 word-rows x 2 columns), with the
+  // extremes: -128 x -128 products (which a 16-bit pair sum would saturate) and an int32 wrap.
+  const TileConfig config(2, 8);
+  emu::load_config(config.bytes);
+  int8_t a[2][8], b[2][8];
+  for (int m = 0; m < 2; ++m)
+    for (int i = 0; i < 8; ++i) a[m][i] = static_cast<int8_t>(m == 0 ? -128 : 37 * i - 120);
+  for (int k = 0; k < 2; ++k)
+    for (int i = 0; i < 8; ++i) b[k][i] = static_cast<int8_t>(k == 0 ? -128 : 127 - 29 * i);
+  int32_t c[2][2] = {{INT32_MAX, -5}, {7, INT32_MIN}};
+  emu::load(0, c, sizeof(c[0]));
+  emu::load(1, a, sizeof(a[0]));
+  emu::load(2, b, sizeof(b[0]));
+  emu::dpbssd(0, 1, 2);
+  int32_t out[2][2];
+  emu::store(0, out, sizeof(out[0]));
+  for (int m = 0; m < 2; ++m) {
+    for (int n = 0; n < 2; ++n) {
+      int64_t want = c[m][n];
+      for (int k = 0; k < 2; ++k)
+        for (int i = 0; i < 4; ++i) want += int64_t{a[m][4 * k + i]} * b[k][4 * n + i];
+      EXPECT_EQ(out[m][n], static_cast<int32_t>(static_cast<uint32_t>(want))) << m << " " << n;
+    }
+  }
+}
+
 // The configuration `good` with one change.
 template <typename Change>
 TileConfig changed(const TileConfig& good, Change change) {
@@ -131,6 +158,18 @@ TEST_F(AmxEmulationDeathTest, ProductsOnTilesThatDoNotChainAbort) {
                "B rows differ");  // B has 3 rows, A 2 pairs a row
   EXPECT_DEATH(multiply(changed(good, [](TileConfig& c) { c.set_tile(2, 2, 16); }), 0, 1, 2),
                "B row bytes differ");  // B rows 16 bytes, C rows 8
+  EXPECT_DEATH(
+      {
+        emu::load_config(changed(good, [](TileConfig& c) { c.set_tile(2, 3, 8); }).bytes);
+        emu::dpbssd(0, 1, 2);
+      },
+      "B rows differ");  // tdpbssd checks the same chain
+  EXPECT_DEATH(
+      {
+        emu::load_config(good.bytes);
+        emu::dpbssd(1, 1, 2);
+      },
+      "three distinct tiles");
 }
 
 }  // namespace

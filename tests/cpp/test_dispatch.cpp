@@ -21,7 +21,7 @@ CpuFeatures every_feature() {
   f.sse42 = f.avx2 = f.fma = f.f16c = true;
   f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512_bf16 = true;
   f.avx_vnni = f.avx512_vnni = true;
-  f.amx_tile = f.amx_bf16 = true;
+  f.amx_tile = f.amx_bf16 = f.amx_int8 = true;
   f.asimd = true;
   return f;
 }
@@ -87,8 +87,8 @@ TEST(VariantTable, ScalarRunsOnACpuWithNoFeatures) {
 }
 
 #if defined(NPU_ATTN_X86)
-// The CPUs this project has met or aims at: Sapphire Rapids (AMX, both VNNI), Zen 4
-// (AVX512-BF16 and AVX512-VNNI, no AMX, no AVX-VNNI), Cascade Lake (AVX512-VNNI, no BF16),
+// The CPUs this project has met or aims at: Sapphire Rapids (AMX-BF16 and AMX-INT8, both VNNI), Zen
+// 4 (AVX512-BF16 and AVX512-VNNI, no AMX, no AVX-VNNI), Cascade Lake (AVX512-VNNI, no BF16),
 // Skylake-SP (AVX-512 only), Alder Lake (AVX2 + AVX-VNNI), Zen 3 / Haswell-class (AVX2 only).
 // Masking emulates each one.
 TEST(EmulatedCpu, SapphireRapidsRunsEveryVariant) {
@@ -96,7 +96,9 @@ TEST(EmulatedCpu, SapphireRapidsRunsEveryVariant) {
   EXPECT_EQ(default_isa(ElementType::kFloat32, spr), Isa::avx512);
   EXPECT_EQ(default_isa(ElementType::kFloat16, spr), Isa::avx512);
   EXPECT_EQ(default_isa(ElementType::kBFloat16, spr), Isa::amx_bf16);
-  EXPECT_EQ(default_int8_isa(spr), Isa::avx512_vnni);
+  EXPECT_EQ(default_int8_isa(spr), Isa::amx_int8);
+  // amx_int8 runs amx_bf16's exact kernels: their defaults stay on the first row that runs them.
+  EXPECT_EQ(runnable_isas(spr).back(), Isa::amx_int8);
 }
 
 TEST(EmulatedCpu, Zen4HasNoAmx) {
@@ -127,8 +129,10 @@ TEST(EmulatedCpu, AlderLakeHasAvxVnniWithoutAvx512) {
 
 TEST(EmulatedCpu, AmxWithoutOsPermissionIsNotOffered) {
   // The detector reports amx_* only when the OS granted the permission; one bit missing is enough.
-  EXPECT_FALSE(
-      contains(runnable_isas(mask_cpu_features(every_feature(), "amx_tile")), Isa::amx_bf16));
+  const auto runnable = runnable_isas(mask_cpu_features(every_feature(), "amx_tile"));
+  EXPECT_FALSE(contains(runnable, Isa::amx_bf16));
+  EXPECT_FALSE(contains(runnable, Isa::amx_int8));
+  EXPECT_EQ(default_int8_isa(mask_cpu_features(every_feature(), "amx_tile")), Isa::avx512_vnni);
 }
 
 TEST(EmulatedCpu, SkylakeHasNoBf16Variants) {
@@ -167,6 +171,7 @@ TEST(EmulatedCpu, HidingABaseFeatureHidesItsExtensions) {
         << base;
   }
   EXPECT_FALSE(mask_cpu_features(every_feature(), "avx2").avx_vnni);
+  EXPECT_FALSE(mask_cpu_features(every_feature(), "amx_tile").amx_int8);
   EXPECT_TRUE(mask_cpu_features(every_feature(), "avx512f").avx_vnni);
   EXPECT_TRUE(mask_cpu_features(every_feature(), "amx_tile").avx512_bf16);
 }

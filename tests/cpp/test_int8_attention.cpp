@@ -288,46 +288,54 @@ TEST(Int8Variants, TheDefaultIsTheMostSpecialisedInt8Kernel) {
 }
 
 #if defined(NPU_ATTN_TEST_VNNI_EMULATION)
-// The VNNI code (avx_vnni, avx512_vnni) on emulated vpdpbusd/vpdpwssd, on any AVX2 CPU. Its
-// integer sums are the AVX2 scheme's exactly (Q codes + 128, minus 128 x the key's code sum), and
-// everything in floating point is the same source built with the same flags: so its output must
-// equal the avx2 int8 kernel's bit for bit on the whole grid (head dims, one query, 77 keys,
-// GQA, Dv != D, layouts, masks, causal).
-class EmulatedVnni : public ::testing::Test {
+// The int8 kernel's code for integer units this CPU may not have, on emulations of them, on any
+// AVX2 CPU: the VNNI code (avx_vnni, avx512_vnni) on emulated vpdpbusd/vpdpwssd, and the AMX-INT8
+// code (amx_int8) on the software tile unit. Their integer sums are the AVX2 scheme's exactly
+// (VNNI: Q codes + 128, minus 128 x the key's code sum; AMX: signed x signed bytes, K rows padded
+// to whole tiles), and everything in floating point is the same source built with the same flags:
+// so each output must equal the avx2 int8 kernel's bit for bit on the whole grid (head dims, one
+// query, 77 keys, GQA, Dv != D, layouts, masks, causal).
+struct EmulatedKernel {
+  const char* name;
+  void (*run)(const AttentionParams& params);
+};
+
+class EmulatedInt8Units : public ::testing::TestWithParam<EmulatedKernel> {
  protected:
   void SetUp() override {
     if (!isa_supported_by_cpu(Isa::avx2))
-      GTEST_SKIP() << "the emulated VNNI kernel is built with the avx2 variant's flags";
+      GTEST_SKIP() << "the emulated kernels are built with the avx2 variant's flags";
   }
 };
 
-void expect_equal_to_avx2(const Case& c, uint32_t seed) {
+void expect_equal_to_avx2(const EmulatedKernel& kernel, const Case& c, uint32_t seed) {
   SCOPED_TRACE(c.describe());
-  Problem avx2, vnni;
-  for (Problem* pr : {&avx2, &vnni}) {
+  Problem avx2, emulated;
+  for (Problem* pr : {&avx2, &emulated}) {
     build(c, *pr, seed);
     make_diffusion_like(c, *pr, seed);
   }
   run_attention_int8(make_attention_params(avx2.args), Isa::avx2);
-  attention_int8_vnni_emulated(make_attention_params(vnni.args));
-  EXPECT_EQ(vnni.out.storage, avx2.out.storage);
-  EXPECT_EQ(vnni.lse.storage, avx2.lse.storage);
+  kernel.run(make_attention_params(emulated.args));
+  EXPECT_EQ(emulated.out.storage, avx2.out.storage);
+  EXPECT_EQ(emulated.lse.storage, avx2.lse.storage);
 }
 
-TEST_F(EmulatedVnni, EqualsTheAvx2KernelBitForBit) {
+TEST_P(EmulatedInt8Units, EqualsTheAvx2KernelBitForBit) {
   std::vector<Case> cases;
   for (int64_t d : {40, 59, 64, 72, 80, 160, 512}) {
     cases.push_back({1, 2, 2, 130, 600, d, d});  // two key tiles, a ragged one
     cases.push_back({2, 1, 1, 64, 77, d, d});    // cross-attention to 77 text tokens
   }
   cases.push_back({1, 1, 1, 1, 1, 64, 64});       // length 1
+  cases.push_back({1, 3, 3, 5, 17, 40, 40});      // keys one past a whole C tile, few queries
   cases.push_back({1, 8, 2, 90, 120, 64, 64});    // GQA 4:1
   cases.push_back({1, 2, 2, 100, 100, 40, 130});  // Dv != D
   uint32_t seed = 1;
   for (Case c : cases) {
     for (Layout layout : {Layout::kBHSD, Layout::kBSHD, Layout::kBHDS}) {
       c.layout = layout;
-      expect_equal_to_avx2(c, seed++);
+      expect_equal_to_avx2(GetParam(), c, seed++);
     }
   }
   for (MaskCase m : {MaskCase::kBoolFull, MaskCase::kBoolKeyPadding, MaskCase::kAdditiveHeads}) {
@@ -335,20 +343,20 @@ TEST_F(EmulatedVnni, EqualsTheAvx2KernelBitForBit) {
       Case c{2, 4, 2, 97, 300, 72, 72};
       c.mask = m;
       c.causal = causal;
-      expect_equal_to_avx2(c, seed++);
+      expect_equal_to_avx2(GetParam(), c, seed++);
     }
   }
 }
 
 // Not only equal to the avx2 kernel: the accuracy bar itself, and an error that is really there.
-TEST_F(EmulatedVnni, AccurateOnDiffusionLikeActivations) {
+TEST_P(EmulatedInt8Units, AccurateOnDiffusionLikeActivations) {
   for (int64_t d : {40, 80, 160}) {
     const Case c{1, 2, 2, 300, 600, d, d};
     SCOPED_TRACE(c.describe());
     Problem pr;
     build(c, pr, 2);
     make_diffusion_like(c, pr, 2);
-    attention_int8_vnni_emulated(make_attention_params(pr.args));
+    GetParam().run(make_attention_params(pr.args));
     SdpaArguments ref_args = pr.args;
     ref_args.out = pr.ref_out.view(DType::kFloat32);
     ref_args.lse = pr.ref_lse.view(DType::kFloat32);
@@ -359,6 +367,14 @@ TEST_F(EmulatedVnni, AccurateOnDiffusionLikeActivations) {
     EXPECT_GT(a.relative_l1, 1e-4);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, EmulatedInt8Units,
+                         ::testing::Values(EmulatedKernel{"vnni", attention_int8_vnni_emulated},
+                                           EmulatedKernel{"amx_int8",
+                                                          attention_int8_amx_int8_emulated}),
+                         [](const ::testing::TestParamInfo<EmulatedKernel>& info) {
+                           return std::string(info.param.name);
+                         });
 #endif
 
 }  // namespace

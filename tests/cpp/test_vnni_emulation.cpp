@@ -1,4 +1,4 @@
-// The emulated VNNI instructions the EmulatedVnni int8 tests run the kernel's VNNI code on
+// The emulated VNNI instructions the EmulatedInt8Units tests run the kernel's VNNI code on
 // (vnni_emulation.h): checked against the instructions' definitions, including the extremes
 // (all bytes 255 x -128, 16-bit pairs of -32768 x -32768, int32 wrap-around), since a test tool
 // that computed something else would make the kernel tests pass wrong code.

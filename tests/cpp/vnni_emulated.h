@@ -1,6 +1,7 @@
-// The int8 kernel's VNNI code compiled against vnni_emulation.h, for tests on CPUs without
-// VNNI. Defined in vnni_emulated_kernels.cpp, which is built with the avx2 variant's flags: call
-// only where that variant runs (isa_supported_by_cpu(Isa::avx2)).
+// The int8 kernel's VNNI and AMX-INT8 code compiled against vnni_emulation.h (and
+// amx_emulation.h), for tests on CPUs without those units. Defined in vnni_emulated_kernels.cpp
+// and amx_int8_emulated_kernels.cpp, which are built with the avx2 variant's flags: call only
+// where that variant runs (isa_supported_by_cpu(Isa::avx2)).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,8 @@
 namespace npu_attn::testing {
 
 void attention_int8_vnni_emulated(const AttentionParams& params);
+// The amx_int8 variant's int8 code on the software tile unit (amx_int8_emulated_kernels.cpp).
+void attention_int8_amx_int8_emulated(const AttentionParams& params);
 
 // One emulated instruction on eight int32 lanes: out = acc + the lane's four u x s byte products
 // (vpdpbusd) or two a x b 16-bit products (vpdpwssd).
