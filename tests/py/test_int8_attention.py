@@ -61,7 +61,12 @@ def _isolated(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(MODEL_SHAPES), ids=list(MODEL_SHAPES))
-def test_accurate_on_every_named_model_shape(shape, dtype):
+def test_accurate_on_every_named_model_shape(shape, dtype, monkeypatch):
+    from npu_attn.attention import ops
+
+    # The kernel itself on every shape, also those the strategy gives to the exact kernel.
+    monkeypatch.setattr(ops, "INT8_MIN_SCORES", 0)
+    monkeypatch.setattr(ops, "INT8_MIN_KEYS", 0)
     lq, lk, d = MODEL_SHAPES[shape]
     heads = 1 if d >= 128 else 2
     q, k, v = diffusion_like(lq, lk, d, dtype, heads=heads)
@@ -103,6 +108,12 @@ def test_short_calls_run_the_exact_kernel_where_it_is_faster():
     assert ops.INT8_MIN_SCORES <= 256 * 256
     assert not torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
     assert npu_attn.call_counts()["int8"] == 1
+    # Cross-attention to 77 text tokens: enough scores, too few keys to gain.
+    q, _, _ = diffusion_like(1024, 77, 80)
+    _, k, v = diffusion_like(77, 77, 80)
+    assert ops.int8_runs_exact_kernel(1024, 77) and not ops.int8_runs_exact_kernel(1024, 128)
+    assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts()["int8->tiled"] == 2
 
 
 def test_deterministic():
@@ -164,6 +175,7 @@ def test_switches_a_diffusers_model(family, monkeypatch):
     from npu_attn.attention import ops
 
     monkeypatch.setattr(ops, "INT8_MIN_SCORES", 0)  # the tiny models' calls are quantized too
+    monkeypatch.setattr(ops, "INT8_MIN_KEYS", 0)
     build, run, _ = FAMILIES[family]
     model = build()
     with torch.no_grad():
@@ -176,3 +188,14 @@ def test_switches_a_diffusers_model(family, monkeypatch):
     assert "tiled" not in npu_attn.call_counts()
     cosine, rel_l1 = accuracy(out, ref)
     assert cosine >= 0.999, cosine
+
+
+def test_the_fast_path_gives_what_the_general_path_gives():
+    """Mask-free calls skip the broadcast plan and backend choice (functional._fast_cpu_call);
+    a mask that masks nothing takes the general path: same values, same output layout."""
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in diffusion_like(256, 300, 64))
+    fast = sdpa(q, k, v, backend="int8")
+    general = sdpa(q, k, v, attn_mask=torch.ones(256, 300, dtype=torch.bool), backend="int8")
+    assert torch.equal(fast, general)
+    assert fast.stride() == general.stride() == sdpa(q, k, v, backend="tiled").stride()
+    assert npu_attn.call_counts()["int8"] == 2

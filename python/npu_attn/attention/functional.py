@@ -347,7 +347,8 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     selection picks the tiled backend: then the general path below would run
     ``ops.forward_cpu`` (under autograd ``ops.eager_forward_with_grad``) on the tensors as
     given, and so does this, without building the broadcast plan, the call object and the
-    backend choice. That is ~15 us of Python per call, which short calls notice (SD-1.5's
+    backend choice. Likewise ``ops.forward_int8_cpu`` when it picks the int8 backend, for
+    calls without gradients or log-sum-exp (the general path explains why those are refused). That is ~15 us of Python per call, which short calls notice (SD-1.5's
     8x8 level computes in ~70 us). The output layout rule is the general path's
     (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout`` left once the checks
     here have passed)."""
@@ -382,7 +383,9 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     from .backends import registry
 
     chosen = registry.chosen_without_checks(backend, _default_backend())
-    if chosen is None or chosen.name != "tiled":
+    if chosen is None or chosen.name not in ("tiled", "int8"):
+        return None
+    if chosen.name == "int8" and (grads or return_lse):
         return None
     dtype = query.dtype
     if dtype not in chosen.dtypes or key.dtype is not dtype or value.dtype is not dtype:
@@ -390,7 +393,9 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     flags = (bool(is_causal), float(scale), bool(enable_gqa))
-    if grads:
+    if chosen.name == "int8":
+        out, lse = ops.forward_int8_cpu(query, key, value, None, *flags), None
+    elif grads:
         out, lse = ops.eager_forward_with_grad(query, key, value, None, *flags)
     else:
         out, lse = ops.forward_cpu(query, key, value, None, *flags, return_lse)

@@ -168,13 +168,24 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 # kernel is faster: on Zen 3 (2 threads, head dims 64 and 160) int8 ran at 0.59-0.70x the exact
 # kernel's speed at 48-64 tokens, 0.76-0.89x at 96-128, 0.95-1.00x at 192, 1.01-1.06x at 256.
 INT8_MIN_SCORES = 256 * 256
+# ...and with fewer keys than this (cross-attention to 77 text tokens) the softmax and the
+# per-query passes dominate: on Zen 3 (2 threads, 4096 queries) int8 ran at 0.99-1.01x the exact
+# kernel's speed at 77 keys and 1.05-1.08x at 128 (head dims 40 and 80); SD-1.5's cross-attention
+# measured 0.96-0.99x through the whole call.
+INT8_MIN_KEYS = 128
+
+
+def int8_runs_exact_kernel(len_q: int, len_k: int) -> bool:
+    """Whether an int8 call with ``len_q`` queries and ``len_k`` keys per head runs the exact
+    kernel instead (too small to gain from quantizing: ``INT8_MIN_SCORES``, ``INT8_MIN_KEYS``)."""
+    return len_q * len_k < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS
 
 
 def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """The output of the lossy int8 kernel (Q K^T on 8-bit codes; csrc/kernels/
-    attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient. Calls
-    smaller than ``INT8_MIN_SCORES`` scores per head run the exact kernel (faster there)."""
-    if query.shape[-2] * key.shape[-2] < INT8_MIN_SCORES:
+    attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient. Calls too
+    small to gain (:func:`int8_runs_exact_kernel`) run the exact kernel (faster there)."""
+    if int8_runs_exact_kernel(query.shape[-2], key.shape[-2]):
         args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
         return forward_cpu(*args, with_lse=False, counted_as="int8->tiled")[0]
     attn_mask = _kernel_mask(attn_mask)

@@ -176,11 +176,11 @@ def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, lis
 
 
 def int8_runs_exact_kernel(case: Case) -> bool:
-    """Whether the int8 strategy gives this call to the exact kernel (too few scores per head
-    to gain from quantizing: ops.INT8_MIN_SCORES)."""
+    """Whether the int8 strategy gives this call to the exact kernel (too small to gain from
+    quantizing: ops.int8_runs_exact_kernel)."""
     from ..attention import ops
 
-    return case.len_q * case.len_k < ops.INT8_MIN_SCORES
+    return ops.int8_runs_exact_kernel(case.len_q, case.len_k)
 
 
 def check_agreement(case: Case) -> tuple[float, Optional[float]]:

@@ -3,7 +3,8 @@
 SageAttention's method on CPU integer units: K smoothed by its mean, Q's outlier channels moved
 into K, both quantized per token to 8 bits, Q K^T on integers, the softmax exact in float32,
 P V on 16-bit integer codes with AVX2 (float32 elsewhere) (csrc/kernels/attention_int8_impl.h;
-docs/int8-attention.md). Calls too short to gain run the exact kernel (ops.INT8_MIN_SCORES).
+docs/int8-attention.md). Calls too small to gain run the exact kernel
+(ops.int8_runs_exact_kernel).
 Never chosen automatically: only ``backend="int8"`` or the ``int8`` strategy run it.
 """
 
