@@ -348,8 +348,9 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     ``ops.forward_cpu`` (under autograd ``ops.eager_forward_with_grad``) on the tensors as
     given, and so does this, without building the broadcast plan, the call object and the
     backend choice. Likewise ``ops.forward_int8_cpu`` when it picks the int8 backend, for
-    calls without gradients or log-sum-exp (the general path explains why those are refused). That is ~15 us of Python per call, which short calls notice (SD-1.5's
-    8x8 level computes in ~70 us). The output layout rule is the general path's
+    calls without gradients or log-sum-exp (the general path explains why those are
+    refused). That is ~15 us of Python per call, which short calls notice (SD-1.5's 8x8 level
+    computes in ~70 us). The output layout rule is the general path's
     (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout`` left once the checks
     here have passed)."""
     from . import ops

@@ -205,8 +205,9 @@ def markdown(report: dict) -> str:
             f"**{s['geomean_int8_vs_tiled_models']:.2f}x** geometric mean "
             f"(slowest {s['min_int8_vs_tiled_models']:.2f}x). Relative L1 is against torch "
             "SDPA on the benchmark's Gaussian inputs (the accuracy on diffusion-like "
-            "activations is in docs/int8-attention.md); rows marked \"exact kernel\" have too "
-            "few scores per head to gain from quantizing, and int8 runs the exact kernel there.",
+            "activations is in docs/int8-attention.md); rows marked \"exact kernel\" are too "
+            "small to gain from quantizing (too few scores per head, or fewer than 128 keys), "
+            "and int8 runs the exact kernel there.",
         ]
     return "\n".join(lines)
 
