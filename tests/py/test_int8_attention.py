@@ -18,6 +18,7 @@ import npu_attn
 from npu_attn import scaled_dot_product_attention as sdpa
 from npu_attn.attention import strategies
 from npu_attn.attention.backends import registry
+from npu_attn.runtime import variant_choice
 from tiny_models import FAMILIES
 
 # (len_q, len_k, head_dim) of the bench's named model shapes (SD-1.5 levels, SDXL, SD3, Flux,
@@ -53,6 +54,9 @@ def accuracy(out, ref):
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("NPU_ATTN_STRATEGY", raising=False)
+    # These tests are about the int8 kernel: it runs in every dtype here, also where this CPU's
+    # exact kernel measured faster and the strategy would run that one (tested on its own below).
+    monkeypatch.setattr(variant_choice, "int8_pays", lambda dtype: True)
     npu_attn.reset_attention_strategy(None)
     strategies.reset_call_counts()
     yield
@@ -114,6 +118,54 @@ def test_short_calls_run_the_exact_kernel_where_it_is_faster():
     assert ops.int8_runs_exact_kernel(1024, 77) and not ops.int8_runs_exact_kernel(1024, 128)
     assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
     assert npu_attn.call_counts()["int8->tiled"] == 2
+
+
+def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(tmp_path, monkeypatch):
+    """Per dtype, the int8 kernel runs only where it measured faster than the exact kernel
+    (on Sapphire Rapids bfloat16's exact kernel runs on AMX tiles and int8 lost 0.25-0.44x)."""
+    monkeypatch.undo()  # the real int8_pays, and no cache or environment of the fixture's
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "pays"))
+    for name in ("NPU_ATTN_ISA", "NPU_ATTN_TUNE", "NPU_ATTN_STRATEGY"):
+        monkeypatch.delenv(name, raising=False)
+    timings = {"bfloat16": {"int8": 2.0, "exact": 1.0}, "float32": {"int8": 1.0, "exact": 2.0}}
+
+    def measured(dtype):
+        return timings[dtype]
+
+    monkeypatch.setattr(variant_choice, "measure_int8_against_exact", measured)
+    variant_choice.forget()
+    q, k, v = diffusion_like(256, 256, 64, torch.bfloat16)
+    assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts() == {"int8->tiled": 1, "tiled": 1}
+    q, k, v = diffusion_like(256, 256, 64)
+    assert not torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts()["int8"] == 1
+    decision = variant_choice.tune_int8_pays("bfloat16")
+    assert decision["pays"] is False and decision["source"].startswith("measured")
+    # Cached under the CPU's fingerprint with the two kernels it compared: not measured again.
+    variant_choice.forget()
+    monkeypatch.setattr(variant_choice, "measure_int8_against_exact", None)
+    assert variant_choice.tune_int8_pays("bfloat16")["source"].endswith("cached")
+    assert not variant_choice.int8_pays("bfloat16") and variant_choice.int8_pays("float32")
+    # NPU_ATTN_TUNE=0 (no measuring) keeps the int8 kernel.
+    monkeypatch.setenv("NPU_ATTN_TUNE", "0")
+    variant_choice.forget()
+    assert variant_choice.tune_int8_pays("bfloat16") == {
+        "pays": True,
+        "source": "rule (NPU_ATTN_TUNE=0)",
+    }
+    variant_choice.forget()
+
+
+def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch):
+    monkeypatch.delenv("NPU_ATTN_TUNE", raising=False)
+    monkeypatch.delenv("NPU_ATTN_ISA", raising=False)
+    decision = variant_choice.tune_int8_pays("float32", force=True)
+    ms = decision["ms"]
+    assert set(ms) == {"int8", "exact"} and min(ms.values()) > 0
+    assert decision["pays"] == (ms["int8"] < ms["exact"])
+    assert decision["kernels"]["int8"] in npu_attn.runtime.available_isas()
+    variant_choice.forget()
 
 
 def test_deterministic():

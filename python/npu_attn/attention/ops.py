@@ -175,17 +175,22 @@ INT8_MIN_SCORES = 256 * 256
 INT8_MIN_KEYS = 128
 
 
-def int8_runs_exact_kernel(len_q: int, len_k: int) -> bool:
+def int8_runs_exact_kernel(len_q: int, len_k: int, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether an int8 call with ``len_q`` queries and ``len_k`` keys per head runs the exact
-    kernel instead (too small to gain from quantizing: ``INT8_MIN_SCORES``, ``INT8_MIN_KEYS``)."""
-    return len_q * len_k < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS
+    kernel instead: too small to gain from quantizing (``INT8_MIN_SCORES``, ``INT8_MIN_KEYS``),
+    or, given its input ``dtype``, a dtype whose exact kernel measured faster than the int8
+    kernel on this CPU (``variant_choice.int8_pays``: bfloat16 on AMX)."""
+    if len_q * len_k < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS:
+        return True
+    return dtype is not None and not variant_choice.int8_pays(str(dtype).removeprefix("torch."))
 
 
 def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """The output of the lossy int8 kernel (Q K^T on 8-bit codes; csrc/kernels/
     attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient. Calls too
-    small to gain (:func:`int8_runs_exact_kernel`) run the exact kernel (faster there)."""
-    if int8_runs_exact_kernel(query.shape[-2], key.shape[-2]):
+    small to gain, or in a dtype the exact kernel runs faster on this CPU
+    (:func:`int8_runs_exact_kernel`), run the exact kernel (faster there)."""
+    if int8_runs_exact_kernel(query.shape[-2], key.shape[-2], query.dtype):
         args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
         return forward_cpu(*args, with_lse=False, counted_as="int8->tiled")[0]
     attn_mask = _kernel_mask(attn_mask)

@@ -24,6 +24,14 @@ dtype: its candidates are the variants with different int8 kernels (``int8_kerne
 variant table), measured on the self-attention shape in float32 on its first call and cached
 under the key ``"int8"``.
 
+Whether the int8 kernel pays at all is measured too, per dtype, on its first int8 call: the
+int8 kernel against the exact kernel the dtype runs (:func:`int8_pays`), on a longer
+self-attention shape (``INT8_COMPARISON_SHAPE``, where quantizing gains most). Where the exact
+kernel is the faster of the two (bfloat16 on an AMX CPU, whose exact kernel runs both products
+on bfloat16 tiles while the int8 kernel's P*V and softmax run on 256-bit vectors: 0.25-0.44x on
+Sapphire Rapids), the ``int8`` strategy runs the exact kernel for that dtype: faster and exact.
+Cached under ``"int8 pays <dtype>"``.
+
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
 variant). ``python -m npu_attn doctor --tune`` measures again.
@@ -57,6 +65,10 @@ REPRESENTATIVE_SHAPES = {
     "cross-attention": (2, 4, 512, 77, 64),
     "large head dim": (1, 1, 256, 512, 512),
 }
+# The int8-or-exact comparison (int8_pays): self-attention long enough for quantizing to gain
+# where it can (Zen 3: int8 1.03x tiled at 1024 tokens, 1.07x at 2304), ~30 ms per call at one
+# thread on an AVX2 core.
+INT8_COMPARISON_SHAPE = (1, 2, 2048, 2048, 64)
 # The backward's shapes: the common head dim and Flux's; one overall choice (no shape classes).
 BACKWARD_DTYPES = ("bfloat16",)
 BACKWARD_SHAPES = {
@@ -380,6 +392,7 @@ def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
 
 
 _decided_int8: dict[str, Any] = {}
+_decided_int8_pays: dict[str, dict] = {}  # dtype -> {"pays": bool, "source": ..., "ms": ...}
 
 
 def tune_int8(force: bool = False) -> dict[str, Any]:
@@ -419,6 +432,77 @@ def ensure_int8() -> None:
         tune_int8()
 
 
+def measure_int8_against_exact(dtype: str, repeats: int = REPEATS) -> dict[str, float]:
+    """CPU milliseconds of the chosen int8 kernel (``"int8"``) and of ``dtype``'s exact kernel
+    (``"exact"``) on ``INT8_COMPARISON_SHAPE``, measured like :func:`measure`."""
+    (q, k, v), out, keep = _inputs(dtype, INT8_COMPARISON_SHAPE)
+
+    def run(name):
+        start = time.thread_time()
+        if name == "int8":
+            _C.forward_int8(q, k, v, out, num_threads=1)
+        else:
+            _C.forward(q, k, v, out, num_threads=1)
+        return time.thread_time() - start
+
+    ms = _interleaved_best(["int8", "exact"], run, repeats)
+    del keep
+    return ms
+
+
+def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
+    """Decide whether the int8 strategy runs the int8 kernel for ``dtype`` (``pays``) or the
+    exact one, faster on this CPU: measured unless cached; with a pinned variant
+    (``NPU_ATTN_ISA``, ``set_isa``) or ``NPU_ATTN_TUNE=0``, always the int8 kernel."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not force and dtype in _decided_int8_pays:
+        return _decided_int8_pays[dtype]
+    ensure(dtype)  # both kernels chosen first (each takes the lock)
+    ensure_int8()
+    with _lock:
+        pin = _pinned or _environment_pin()
+        key = f"int8 pays {dtype}"
+        if pin is not None:
+            entry = {"pays": True, "source": "pinned variant: int8 kernel"}
+        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
+            entry = {"pays": True, "source": "rule (NPU_ATTN_TUNE=0)"}
+        else:
+            # The two kernels compared: a cached answer holds only while both are still chosen.
+            kernels = {
+                "int8": _decided_int8["choice"],
+                "exact": _decided[dtype]["choice"]["self-attention"],
+            }
+            entry = None if force else _CACHE.get(fingerprint(), key)
+            if entry is not None and entry.get("kernels") == kernels:
+                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+            else:
+                ms = measure_int8_against_exact(dtype)
+                stamp = time.strftime("%Y-%m-%d")
+                entry = {
+                    "pays": ms["int8"] < ms["exact"],
+                    "kernels": kernels,
+                    "ms": ms,
+                    "measured": stamp,
+                }
+                _CACHE.store(fingerprint(), key, entry)
+                logger.info(
+                    "npu_attn: int8 on %s measured against the exact kernel: %s (%s)",
+                    dtype,
+                    "int8 kernel" if entry["pays"] else "exact kernel, faster here",
+                    format_timings(ms),
+                )
+                entry = dict(entry, source=f"measured {stamp}")
+        _decided_int8_pays[dtype] = entry
+        return entry
+
+
+def int8_pays(dtype: str) -> bool:
+    """Whether int8 calls in ``dtype`` run the int8 kernel on this CPU (:func:`tune_int8_pays`;
+    measured on the first call)."""
+    return tune_int8_pays(dtype)["pays"]
+
+
 def ensure(dtype: str, backward: bool = False) -> None:
     """Make sure ``dtype``'s variant (with ``backward``, also its backward's) is chosen before
     a kernel call (cheap after the first)."""
@@ -444,6 +528,7 @@ def pin(name: Optional[str]) -> None:
         _decided.clear()
         _decided_backward.clear()
         _decided_int8.clear()
+        _decided_int8_pays.clear()
         if name is None:
             _C.set_int8_isa(_C.default_int8_isa())
             for dtype in DTYPES:  # the rule until the next use measures or loads the choice
@@ -457,6 +542,7 @@ def forget() -> None:
         _decided.clear()
         _decided_backward.clear()
         _decided_int8.clear()
+        _decided_int8_pays.clear()
 
 
 def report() -> dict[str, dict[str, Any]]:

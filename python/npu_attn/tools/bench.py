@@ -177,10 +177,13 @@ def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, lis
 
 def int8_runs_exact_kernel(case: Case) -> bool:
     """Whether the int8 strategy gives this call to the exact kernel (too small to gain from
-    quantizing: ops.int8_runs_exact_kernel)."""
+    quantizing, or a dtype whose exact kernel is faster on this CPU:
+    ops.int8_runs_exact_kernel)."""
+    import torch
+
     from ..attention import ops
 
-    return ops.int8_runs_exact_kernel(case.len_q, case.len_k)
+    return ops.int8_runs_exact_kernel(case.len_q, case.len_k, getattr(torch, case.dtype))
 
 
 def check_agreement(case: Case) -> tuple[float, Optional[float]]:

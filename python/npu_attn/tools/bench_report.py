@@ -207,7 +207,8 @@ def markdown(report: dict) -> str:
             "SDPA on the benchmark's Gaussian inputs (the accuracy on diffusion-like "
             "activations is in docs/int8-attention.md); rows marked \"exact kernel\" are too "
             "small to gain from quantizing (too few scores per head, or fewer than 128 keys), "
-            "and int8 runs the exact kernel there.",
+            "or in a dtype whose exact kernel measured faster than the int8 kernel on this CPU "
+            "(`doctor` shows that choice), and int8 runs the exact kernel there.",
         ]
     return "\n".join(lines)
 

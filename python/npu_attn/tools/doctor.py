@@ -99,7 +99,17 @@ def collect(tune: bool = False) -> dict[str, Any]:
         for dtype in _variant_choice.DTYPES:
             _variant_choice.tune(dtype, force=True)
             _variant_choice.tune_backward(dtype, force=True)
+        _variant_choice.tune_int8(force=True)
     report["variant_choice"] = _runtime.kernel_variants()
+    # The lossy int8 strategy: its kernel's variant, and per dtype whether it runs that kernel
+    # or the exact one (measured faster on this CPU).
+    report["int8_choice"] = {
+        "variant": dict(_variant_choice.tune_int8()),
+        "per_dtype": {
+            dtype: dict(_variant_choice.tune_int8_pays(dtype, force=tune))
+            for dtype in report["variant_choice"]
+        },
+    }
     report["variant_cache"] = str(_variant_choice.cache_path())
 
     strategy_report = {}
@@ -154,6 +164,14 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
                 lines.append(f"  {'':9}   backward: {backward['choice']}  [{backward['source']}]")
             for label, per in backward.get("ms", {}).items():
                 lines.append(f"  {'':9}     {label}: {_variant_choice.format_timings(per)}")
+    int8 = report.get("int8_choice")
+    if int8:
+        variant = int8["variant"]
+        lines.append(f"  {'int8':9} {variant['choice']}  [{variant['source']}]")
+        for dtype, d in int8["per_dtype"].items():
+            runs = "int8 kernel" if d["pays"] else "exact kernel (faster here)"
+            timings = f": {_variant_choice.format_timings(d['ms'])}" if "ms" in d else ""
+            lines.append(f"  {'':9}   {dtype}: {runs}  [{d['source']}]{timings}")
     lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
     return lines
 
