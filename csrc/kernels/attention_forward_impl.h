@@ -113,10 +113,12 @@ int64_t pv_key_chunk_for(const AttentionParams& p) {
 // gains nothing (SD-1.5 64x64: 0.99x); nor do short key sequences (cross-attention to 77 text
 // tokens at 96x96: 1.06x, its P*V then takes two passes instead of one). Hence: head dims from
 // 64 with at least 2048 queries (to share the copy) and 2048 keys, and from kLargeDimV always
-// (V is copied there anyway: aliasing_v_rows). Only with 256-bit vectors: that is where it was
-// measured (AVX-512's 6 x 4 blocks read each broadcast for four vectors, not two; they keep
-// rows until measured).
-constexpr bool kPanelsMeasured = kVecBytes == 32;
+// (V is copied there anyway: aliasing_v_rows). With 512-bit vectors too (each broadcast of
+// AVX-512's 6 x 4 blocks feeds four vectors, not two, but the scattered rows still cost): on
+// Sapphire Rapids, float32, 2 threads, against rows: SD2.1 96x96 0.86x the time, SDXL 64x64
+// 0.89x, SD3 0.90x, Flux 0.92x, HiDream 0.94x, VAE mid-block 1024px 0.94x (float16 inputs
+// 0.89-0.90x at D=64/128). Not with the portable and NEON variants (never measured).
+constexpr bool kPanelsMeasured = kVecBytes >= 32;
 constexpr int64_t kPanelMinDim = 64;
 constexpr int64_t kPanelMinLength = 2048;  // queries and keys
 constexpr int kPvKeyChunkPanels = 64;
