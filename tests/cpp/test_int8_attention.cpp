@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -287,41 +289,28 @@ TEST(Int8Variants, TheDefaultIsTheMostSpecialisedInt8Kernel) {
                kernel_variant(runnable_isas().back()).int8_kernel);
 }
 
-#if defined(NPU_ATTN_TEST_VNNI_EMULATION)
-// The int8 kernel's code for integer units this CPU may not have, on emulations of them, on any
-// AVX2 CPU: the VNNI code (avx_vnni, avx512_vnni) on emulated vpdpbusd/vpdpwssd, and the AMX-INT8
-// code (amx_int8) on the software tile unit. Their integer sums are the AVX2 scheme's exactly
-// (VNNI: Q codes + 128, minus 128 x the key's code sum; AMX: signed x signed bytes, K rows padded
-// to whole tiles), and everything in floating point is the same source built with the same flags:
-// so each output must equal the avx2 int8 kernel's bit for bit on the whole grid (head dims, one
-// query, 77 keys, GQA, Dv != D, layouts, masks, causal).
-struct EmulatedKernel {
-  const char* name;
-  void (*run)(const AttentionParams& params);
-};
+#if defined(__x86_64__)
+// The x86 int8 kernels compute the AVX2 scheme's integer sums exactly on their own units (VNNI:
+// Q codes + 128, minus 128 x the key's code sum; AMX: signed x signed bytes, K rows padded to
+// whole tiles), and everything in floating point is the same source: each output must equal the
+// avx2 int8 kernel's bit for bit on the whole grid (head dims, one query, 77 keys, GQA,
+// Dv != D, layouts, masks, causal). `run` is the kernel under test.
+using Int8Kernel = std::function<void(const AttentionParams&)>;
 
-class EmulatedInt8Units : public ::testing::TestWithParam<EmulatedKernel> {
- protected:
-  void SetUp() override {
-    if (!isa_supported_by_cpu(Isa::avx2))
-      GTEST_SKIP() << "the emulated kernels are built with the avx2 variant's flags";
-  }
-};
-
-void expect_equal_to_avx2(const EmulatedKernel& kernel, const Case& c, uint32_t seed) {
+void expect_equal_to_avx2(const Int8Kernel& run, const Case& c, uint32_t seed) {
   SCOPED_TRACE(c.describe());
-  Problem avx2, emulated;
-  for (Problem* pr : {&avx2, &emulated}) {
+  Problem avx2, other;
+  for (Problem* pr : {&avx2, &other}) {
     build(c, *pr, seed);
     make_diffusion_like(c, *pr, seed);
   }
   run_attention_int8(make_attention_params(avx2.args), Isa::avx2);
-  kernel.run(make_attention_params(emulated.args));
-  EXPECT_EQ(emulated.out.storage, avx2.out.storage);
-  EXPECT_EQ(emulated.lse.storage, avx2.lse.storage);
+  run(make_attention_params(other.args));
+  EXPECT_EQ(other.out.storage, avx2.out.storage);
+  EXPECT_EQ(other.lse.storage, avx2.lse.storage);
 }
 
-TEST_P(EmulatedInt8Units, EqualsTheAvx2KernelBitForBit) {
+void expect_equal_to_avx2_on_the_grid(const Int8Kernel& run) {
   std::vector<Case> cases;
   for (int64_t d : {40, 59, 64, 72, 80, 160, 512}) {
     cases.push_back({1, 2, 2, 130, 600, d, d});  // two key tiles, a ragged one
@@ -335,7 +324,7 @@ TEST_P(EmulatedInt8Units, EqualsTheAvx2KernelBitForBit) {
   for (Case c : cases) {
     for (Layout layout : {Layout::kBHSD, Layout::kBSHD, Layout::kBHDS}) {
       c.layout = layout;
-      expect_equal_to_avx2(GetParam(), c, seed++);
+      expect_equal_to_avx2(run, c, seed++);
     }
   }
   for (MaskCase m : {MaskCase::kBoolFull, MaskCase::kBoolKeyPadding, MaskCase::kAdditiveHeads}) {
@@ -343,9 +332,50 @@ TEST_P(EmulatedInt8Units, EqualsTheAvx2KernelBitForBit) {
       Case c{2, 4, 2, 97, 300, 72, 72};
       c.mask = m;
       c.causal = causal;
-      expect_equal_to_avx2(GetParam(), c, seed++);
+      expect_equal_to_avx2(run, c, seed++);
     }
   }
+}
+
+// On the real units, where this CPU has them (AVX-VNNI, AVX512-VNNI, AMX-INT8; on any AVX2 CPU
+// their code also runs on emulated units: EmulatedInt8Units below).
+class Int8IntegerUnits : public PerVariant {};
+
+TEST_P(Int8IntegerUnits, EqualTheAvx2KernelBitForBit) {
+  const std::string kernel = kernel_variant(GetParam()).int8_kernel;
+  if (kernel == kernel_variant(Isa::avx2).int8_kernel ||
+      kernel == kernel_variant(Isa::scalar).int8_kernel)
+    GTEST_SKIP() << "variant '" << isa_name(GetParam()) << "' runs the " << kernel
+                 << " kernel, with no integer unit of its own";
+  const Isa isa = GetParam();
+  expect_equal_to_avx2_on_the_grid(
+      [isa](const AttentionParams& params) { run_attention_int8(params, isa); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Int8IntegerUnits, ::testing::ValuesIn(compiled_isas()),
+                         variant_test_name);
+#endif
+
+#if defined(NPU_ATTN_TEST_VNNI_EMULATION)
+// The int8 kernel's code for integer units this CPU may not have, on emulations of them, on any
+// AVX2 CPU: the VNNI code (avx_vnni, avx512_vnni) on emulated vpdpbusd/vpdpwssd, and the AMX-INT8
+// code (amx_int8) on the software tile unit: bit for bit the avx2 kernel's output, as on the real
+// units (Int8IntegerUnits).
+struct EmulatedKernel {
+  const char* name;
+  void (*run)(const AttentionParams& params);
+};
+
+class EmulatedInt8Units : public ::testing::TestWithParam<EmulatedKernel> {
+ protected:
+  void SetUp() override {
+    if (!isa_supported_by_cpu(Isa::avx2))
+      GTEST_SKIP() << "the emulated kernels are built with the avx2 variant's flags";
+  }
+};
+
+TEST_P(EmulatedInt8Units, EqualsTheAvx2KernelBitForBit) {
+  expect_equal_to_avx2_on_the_grid(GetParam().run);
 }
 
 // Not only equal to the avx2 kernel: the accuracy bar itself, and an error that is really there.
