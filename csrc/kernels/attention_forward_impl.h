@@ -44,11 +44,21 @@ namespace {
 // (attention_forward_bf16_impl.h), whose S^T tile and task shape are the same. Only the plan
 // functions (plan_tiled, plan_pairs) read these; change a tile plan there.
 
-// Keys per tile: the S^T tile (kKeyTile x kMaxQueryTile floats, 128 KiB) stays in L2 next to
-// the K and V rows it is computed from.
+// Keys per tile: the S^T tile (kKeyTile x kMaxQueryTile floats, 128 KiB; 256 KiB with the
+// streamed tiles below) stays in L2 next to the K and V rows it is computed from.
 constexpr int64_t kKeyTile = 512;
 // Queries per task: 64 amortise streaming K and V through the key loop...
 constexpr int64_t kMaxQueryTile = 64;
+// ...and 128 with 512-bit vectors where one (batch, kv-head) pair's K and V, counted as float32,
+// exceed kStreamedKvBytes: then they no longer stay in cache between tasks and every task
+// streams them from memory, so fewer, taller tasks move half the bytes. On Sapphire Rapids
+// (float32, 2 threads) the VAE mid-block at 1024px (one head, 16384 keys of head dim 512:
+// 64 MiB) took 0.76x the time with 128-query tiles; at 512px (16 MiB) and on the other named
+// shapes (up to 4.5 MiB) they gave nothing (0.97-1.06x), hence the threshold. Not with 256-bit
+// vectors, never measured there (AVX2 cores have 512 KiB-2 MiB of L2 for the taller S^T and
+// O^T tiles).
+constexpr int64_t kStreamedQueryTile = kVecBytes == 64 ? 128 : kMaxQueryTile;
+constexpr int64_t kStreamedKvBytes = int64_t{32} << 20;
 // ...halved while there would be fewer than kTasksPerThread tasks per thread (small
 // batch * heads, short sequences), so every thread stays busy and the dynamic schedule has
 // spare tasks to balance uneven ones (causal), but never below kMinQueryTile: one AVX-512
@@ -70,9 +80,10 @@ constexpr int kPvKeyChunk = kVecBytes == 32 ? 128 : 128;
 constexpr int kPvKeyChunkLargeDim = kVecBytes == 32 ? 16 : 32;
 constexpr int64_t kLargeDimV = 384;
 
-static_assert(kMinQueryTile % kLanes == 0 && kMaxQueryTile % kMinQueryTile == 0,
-              "query tiles are whole vectors, and halving kMaxQueryTile reaches kMinQueryTile");
-constexpr int kTileQueryVecs = kMaxQueryTile / kLanes;  // vectors spanning a full query tile
+static_assert(kMinQueryTile % kLanes == 0 && kMaxQueryTile % kMinQueryTile == 0 &&
+                  kStreamedQueryTile % kMinQueryTile == 0,
+              "query tiles are whole vectors, and halving a query tile reaches kMinQueryTile");
+constexpr int kTileQueryVecs = kStreamedQueryTile / kLanes;  // vectors spanning the tallest tile
 
 // V rows whose stride is a multiple of 512 bytes all fall into a few of L1's 64 sets (of 64-byte
 // lines, on current x86 cores). For large value head dims the P*V pass reads one line from each
@@ -132,7 +143,8 @@ bool panel_operand(const AttentionParams& p, int64_t dim) {
 // Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
 int64_t query_tile_for(const AttentionParams& p, int threads) {
   const int64_t heads_rows = p.batch * p.heads_q;
-  int64_t block_q = kMaxQueryTile;
+  const int64_t kv_bytes = p.len_k * (p.head_dim + p.head_dim_v) * int64_t{sizeof(float)};
+  int64_t block_q = kv_bytes > kStreamedKvBytes ? kStreamedQueryTile : kMaxQueryTile;
   while (block_q > kMinQueryTile &&
          heads_rows * ceil_div(p.len_q, block_q) < kTasksPerThread * threads) {
     block_q /= 2;
