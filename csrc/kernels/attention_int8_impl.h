@@ -78,40 +78,82 @@ namespace {
 constexpr int kInt8ChannelsPerWord = 4;
 constexpr float kCodeMax = 127.0f;  // codes in [-127, 127]: vpsignb/vpmaddubsw never saturate
 
-// P*V on 16-bit integers (vpmaddwd) where the variant has AVX2; float32 elsewhere.
+// Integer registers of the variant's vector width: 32 bytes (AVX2, AVX-VNNI, and the tests'
+// emulations) or 64 bytes (AVX512-BW: the avx512_vnni and amx_int8 variants, whose products,
+// softmax and conversions then do twice the work per instruction).
 #if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
-constexpr bool kIntegerValues = true;
+#define NPU_ATTN_INT8_REGISTERS 1
+typedef __m256i IReg;
+NPU_ATTN_VEC_INLINE IReg load_ireg(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+NPU_ATTN_VEC_INLINE IReg broadcast_word(uint32_t word) {
+  return _mm256_set1_epi32(static_cast<int32_t>(word));
+}
+NPU_ATTN_VEC_INLINE IReg madd_words(IReg a, IReg b) {
+  return _mm256_madd_epi16(a, b);
+}
+#elif defined(__AVX512BW__) && NPU_ATTN_VEC_BYTES == 64
+#define NPU_ATTN_INT8_REGISTERS 1
+typedef __m512i IReg;
+NPU_ATTN_VEC_INLINE IReg load_ireg(const void* p) {
+  return _mm512_loadu_si512(p);
+}
+NPU_ATTN_VEC_INLINE IReg broadcast_word(uint32_t word) {
+  return _mm512_set1_epi32(static_cast<int32_t>(word));
+}
+NPU_ATTN_VEC_INLINE IReg madd_words(IReg a, IReg b) {
+  return _mm512_madd_epi16(a, b);
+}
 #else
-constexpr bool kIntegerValues = false;
+#define NPU_ATTN_INT8_REGISTERS 0
 #endif
+#if NPU_ATTN_INT8_REGISTERS
+static_assert(sizeof(IReg) == sizeof(IVec), "one vector per register");
+#endif
+
+// P*V on 16-bit integers (vpmaddwd) where the variant has integer registers; float32 elsewhere.
+constexpr bool kIntegerValues = NPU_ATTN_INT8_REGISTERS;
 // The integer products on VNNI units (vpdpbusd for Q K^T, vpdpwssd for P*V): the avx_vnni
-// variant (VEX), the avx512_vnni variant (EVEX, on the same ymm code) and the tests'
+// variant (VEX), the avx512_vnni and amx_int8 variants (EVEX, on zmm registers) and the tests'
 // emulation of those instructions on AVX2 (tests/cpp/vnni_emulation.h).
 #if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32 && \
     (defined(__AVXVNNI__) || defined(NPU_ATTN_VNNI_EMULATED))
 constexpr bool kVnniProducts = true;
-NPU_ATTN_VEC_INLINE __m256i dot_bytes(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+NPU_ATTN_VEC_INLINE IReg dot_bytes(IReg acc, IReg unsigned_bytes, IReg signed_bytes) {
   return _mm256_dpbusd_avx_epi32(acc, unsigned_bytes, signed_bytes);
 }
-NPU_ATTN_VEC_INLINE __m256i dot_words(__m256i acc, __m256i a, __m256i b) {
+NPU_ATTN_VEC_INLINE IReg dot_words(IReg acc, IReg a, IReg b) {
   return _mm256_dpwssd_avx_epi32(acc, a, b);
 }
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && NPU_ATTN_VEC_BYTES == 32
 constexpr bool kVnniProducts = true;
-NPU_ATTN_VEC_INLINE __m256i dot_bytes(__m256i acc, __m256i unsigned_bytes, __m256i signed_bytes) {
+NPU_ATTN_VEC_INLINE IReg dot_bytes(IReg acc, IReg unsigned_bytes, IReg signed_bytes) {
   return _mm256_dpbusd_epi32(acc, unsigned_bytes, signed_bytes);
 }
-NPU_ATTN_VEC_INLINE __m256i dot_words(__m256i acc, __m256i a, __m256i b) {
+NPU_ATTN_VEC_INLINE IReg dot_words(IReg acc, IReg a, IReg b) {
   return _mm256_dpwssd_epi32(acc, a, b);
+}
+#elif defined(__AVX512VNNI__) && NPU_ATTN_VEC_BYTES == 64
+constexpr bool kVnniProducts = true;
+NPU_ATTN_VEC_INLINE IReg dot_bytes(IReg acc, IReg unsigned_bytes, IReg signed_bytes) {
+  return _mm512_dpbusd_epi32(acc, unsigned_bytes, signed_bytes);
+}
+NPU_ATTN_VEC_INLINE IReg dot_words(IReg acc, IReg a, IReg b) {
+  return _mm512_dpwssd_epi32(acc, a, b);
 }
 #else
 constexpr bool kVnniProducts = false;
 #endif
+#if defined(__AVX512VNNI__) && NPU_ATTN_VEC_BYTES == 64
+#define NPU_ATTN_AVX512_VNNI_SCORES 1
+#else
+#define NPU_ATTN_AVX512_VNNI_SCORES 0
+#endif
 // Q K^T on AMX tiles: tdpbssd multiplies signed by signed bytes, 16 keys x 16 queries x 64
 // channels per instruction (the amx_int8 variant; in the tests, the software tile unit of
 // tests/cpp/amx_emulation.h). K code rows are padded to whole tiles: 64 channels, 16 keys.
-#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32 && \
-    (defined(__AMX_INT8__) || defined(NPU_ATTN_AMX_EMULATED))
+#if NPU_ATTN_INT8_REGISTERS && (defined(__AMX_INT8__) || defined(NPU_ATTN_AMX_EMULATED))
 #define NPU_ATTN_INT8_TILES 1
 constexpr bool kTileScores = true;
 #else
@@ -550,41 +592,43 @@ void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_code
     }
   }
 }
-#elif defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
+#elif NPU_ATTN_INT8_REGISTERS && (NPU_ATTN_VEC_BYTES == 32 || NPU_ATTN_AVX512_VNNI_SCORES)
 // Register blocks of 4 keys x 2 query vectors: 8 accumulators, 2 Q words, the K broadcast and
 // its absolute value, the vpmaddwd ones and two temporaries fit AVX2's 16 ymm registers. (With
-// VNNI the block keeps this shape: not tuned, no VNNI CPU has been measured.)
+// VNNI, and on zmm registers, the block keeps this shape.) Without VNNI only on ymm registers:
+// AVX-512 has no vpsignb.
 template <int Rows, int Cols>
 NPU_ATTN_VEC_INLINE void int8_block(const AliasWord* k, int64_t words, const uint32_t* q,
                                     int64_t ld, const ScoreScales& sc, float* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[Rows][Cols];
+  IVec acc[Rows][Cols];
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < Cols; ++c) acc[r][c] = _mm256_setzero_si256();
+    for (int c = 0; c < Cols; ++c) acc[r][c] = IVec{};
   for (int64_t w = 0; w < words; ++w) {
-    __m256i qv[Cols];
-    for (int c = 0; c < Cols; ++c)
-      qv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + w * ld + c * 8));
+    IReg qv[Cols];
+    for (int c = 0; c < Cols; ++c) qv[c] = load_ireg(q + w * ld + c * kLanes);
     for (int r = 0; r < Rows; ++r) {
-      const __m256i kb = _mm256_set1_epi32(static_cast<int32_t>(k[r * words + w]));
+      const IReg kb = broadcast_word(k[r * words + w]);
       if constexpr (kVnniProducts) {
         // (q + 128) (unsigned) x k (signed), four products per int32 lane
-        for (int c = 0; c < Cols; ++c) acc[r][c] = dot_bytes(acc[r][c], qv[c], kb);
+        for (int c = 0; c < Cols; ++c) acc[r][c] = (IVec)dot_bytes((IReg)acc[r][c], qv[c], kb);
       } else {
+#if NPU_ATTN_VEC_BYTES == 32
+        const __m256i ones = _mm256_set1_epi16(1);
         const __m256i k_abs = _mm256_abs_epi8(kb);
         for (int c = 0; c < Cols; ++c) {
           // |k| (unsigned) x q * sign(k) (signed): pairs <= 2 * 127 * 127, no saturation
           const __m256i pairs = _mm256_maddubs_epi16(k_abs, _mm256_sign_epi8(qv[c], kb));
-          acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(pairs, ones));
+          acc[r][c] += (IVec)_mm256_madd_epi16(pairs, ones);
         }
+#endif
       }
     }
   }
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < Cols; ++c)
-      store(out + r * ld + c * 8,
-            dequantized(without_query_offset((IVec)acc[r][c], sc, r), sc.k_scale[r],
-                        sc.q_scale + c * 8, sc.q_dot_mean + c * 8));
+      store(out + r * ld + c * kLanes,
+            dequantized(without_query_offset(acc[r][c], sc, r), sc.k_scale[r],
+                        sc.q_scale + c * kLanes, sc.q_dot_mean + c * kLanes));
 }
 
 template <int Rows>
@@ -594,9 +638,9 @@ NPU_ATTN_VEC_INLINE void int8_row_block(const AliasWord* k, int64_t words, const
   int64_t v = 0;
   for (; v < vecs; v += 2) {
     if (v + 2 <= vecs) {
-      int8_block<Rows, 2>(k, words, q + v * 8, ld, sc.at(0, v * 8), out + v * 8);
+      int8_block<Rows, 2>(k, words, q + v * kLanes, ld, sc.at(0, v * kLanes), out + v * kLanes);
     } else {
-      int8_block<Rows, 1>(k, words, q + v * 8, ld, sc.at(0, v * 8), out + v * 8);
+      int8_block<Rows, 1>(k, words, q + v * kLanes, ld, sc.at(0, v * kLanes), out + v * kLanes);
     }
   }
 }
@@ -639,7 +683,7 @@ void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_code
 #endif
 
 // ---------------------------------------------------------------- integer P*V
-#if defined(__AVX2__) && NPU_ATTN_VEC_BYTES == 32
+#if NPU_ATTN_INT8_REGISTERS
 // P^T (float32, keys x queries, in S^T) to 16-bit codes in place: word row jp holds keys 2jp
 // (low half) and 2jp + 1 (high half; 0 past the last key) of every query. Row jp overwrites
 // row jp <= 2jp after rows 2jp and 2jp + 1 were read. A NaN probability gives some code: its
@@ -676,7 +720,7 @@ void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
 // O^T rows [6g, 6g + rows) (ld apart) += scale[r] * sum over `pairs` key pairs of the value
 // codes (one panel, six words per key pair) times the probability codes of Cols vectors of
 // queries (pw, one word row per key pair): 6 x Cols int32 accumulators, like the float32 6 x 2
-// register blocks. The accumulators are GCC vector types, not __m256i: with __m256i arrays
+// register blocks. The accumulators are GCC vector types, not IReg: with __m256i arrays
 // GCC 12 kept half of them on the stack (46 instead of 77 GMAC/s in a micro-benchmark).
 template <int Cols>
 NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_t* pw, int64_t ld,
@@ -688,19 +732,18 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
 #pragma GCC unroll 4
     for (int c = 0; c < Cols; ++c) acc[r][c] = IVec{};
   for (int64_t jp = 0; jp < pairs; ++jp) {
-    __m256i pv[Cols];
+    IReg pv[Cols];
 #pragma GCC unroll 4
-    for (int c = 0; c < Cols; ++c)
-      pv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + jp * ld + c * kLanes));
+    for (int c = 0; c < Cols; ++c) pv[c] = load_ireg(pw + jp * ld + c * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < kBlockRows; ++r) {
-      const __m256i v = _mm256_set1_epi32(static_cast<int32_t>(panel[jp * kBlockRows + r]));
+      const IReg v = broadcast_word(panel[jp * kBlockRows + r]);
 #pragma GCC unroll 4
       for (int c = 0; c < Cols; ++c) {
         if constexpr (kVnniProducts) {
-          acc[r][c] = (IVec)dot_words((__m256i)acc[r][c], v, pv[c]);
+          acc[r][c] = (IVec)dot_words((IReg)acc[r][c], v, pv[c]);
         } else {
-          acc[r][c] += (IVec)_mm256_madd_epi16(v, pv[c]);
+          acc[r][c] += (IVec)madd_words(v, pv[c]);
         }
       }
     }
@@ -736,9 +779,9 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
       float* ot = ws.fp.ot + g * kBlockRows * ld;
       int64_t v = 0;
       for (; v + 2 <= tile.vecs; v += 2)
-        int16_value_block<2>(panel, pw + v * 8, ld, pairs, scale, rows, ot + v * 8);
+        int16_value_block<2>(panel, pw + v * kLanes, ld, pairs, scale, rows, ot + v * kLanes);
       if (v < tile.vecs)
-        int16_value_block<1>(panel, pw + v * 8, ld, pairs, scale, rows, ot + v * 8);
+        int16_value_block<1>(panel, pw + v * kLanes, ld, pairs, scale, rows, ot + v * kLanes);
     }
   }
 }

@@ -84,7 +84,7 @@ CLASS_MARGIN = 0.10
 # would make first use slow.
 HOPELESS_RATIO = 4.0
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: tune_int8_pays holds it across tune() and tune_int8()
 _decided: dict[str, dict] = {}  # dtype -> {"choice": {class: variant}, "reason": str, ...}
 _decided_backward: dict[str, dict] = {}  # dtype -> {"choice": variant or None, "source": ...}
 _pinned: Optional[str] = None  # set_isa(name): every dtype, no measuring
@@ -458,9 +458,11 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not force and dtype in _decided_int8_pays:
         return _decided_int8_pays[dtype]
-    ensure(dtype)  # both kernels chosen first (each takes the lock)
-    ensure_int8()
     with _lock:
+        # Both kernels chosen under the same hold, so a concurrent pin() or forget() cannot
+        # empty a decision between choosing it and reading it.
+        exact_choice = tune(dtype)["choice"]["self-attention"]
+        int8_choice = tune_int8()["choice"]
         pin = _pinned or _environment_pin()
         key = f"int8 pays {dtype}"
         if pin is not None:
@@ -469,10 +471,7 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
             entry = {"pays": True, "source": "rule (NPU_ATTN_TUNE=0)"}
         else:
             # The two kernels compared: a cached answer holds only while both are still chosen.
-            kernels = {
-                "int8": _decided_int8["choice"],
-                "exact": _decided[dtype]["choice"]["self-attention"],
-            }
+            kernels = {"int8": int8_choice, "exact": exact_choice}
             entry = None if force else _CACHE.get(fingerprint(), key)
             if entry is not None and entry.get("kernels") == kernels:
                 entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
