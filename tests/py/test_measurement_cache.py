@@ -60,3 +60,17 @@ def test_an_unwritable_cache_costs_nothing_but_the_entry(tmp_path, monkeypatch):
     store = cache.MeasurementCache("x.json")
     store.store("fp", "k", {"choice": "tiled"})
     assert store.get("fp", "k") is None
+
+
+def test_a_rebuilt_extension_is_measured_again(monkeypatch):
+    """Both fingerprints name the extension's file, not only the version: a kernel rebuilt
+    under the same version must not inherit its predecessor's timings."""
+    import npu_attn.attention.auto as auto
+
+    digest = cache.build_digest()
+    assert len(digest) == 16 and digest != "unknown"  # the real file was read
+    before = (variant_choice.fingerprint(), AutoSelector.fingerprint())
+    monkeypatch.setattr(variant_choice, "build_digest", lambda: "another build")
+    monkeypatch.setattr(auto, "build_digest", lambda: "another build")
+    after = (variant_choice.fingerprint(), AutoSelector.fingerprint())
+    assert after[0] != before[0] and after[1] != before[1]

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from ..runtime import controls as _runtime
-from ..runtime.cache import MeasurementCache
+from ..runtime.cache import MeasurementCache, build_digest
 from ..runtime.timing import interleaved_medians
 from .backends import npu as npu_backend
 from .backends.base import needs_grad
@@ -67,6 +67,7 @@ class AutoSelector:
             str(_runtime.get_num_threads()),
             torch.__version__,
             __version__,
+            build_digest(),
             _runtime.active_isa(),
         ]
         return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]

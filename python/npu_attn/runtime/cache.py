@@ -12,6 +12,8 @@ optimisation: a file that cannot be read or written costs a measurement, never a
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +31,19 @@ def cache_dir() -> Path:
         os.path.expanduser("~"), ".cache", "npu_attn"
     )
     return Path(root)
+
+
+@functools.cache
+def build_digest() -> str:
+    """A digest of the loaded C++ extension's file: a rebuilt kernel (same version, new code) is
+    measured again instead of being judged by its predecessor's timings."""
+    from .. import _C
+
+    try:
+        with open(_C.__file__, "rb") as f:
+            return hashlib.sha1(f.read()).hexdigest()[:16]
+    except OSError:  # e.g. a frozen application: the version still separates releases
+        return "unknown"
 
 
 class MeasurementCache:

@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .cache import MeasurementCache
+from .cache import MeasurementCache, build_digest
 from .extension import _C
 
 logger = logging.getLogger("npu_attn")
@@ -112,6 +112,7 @@ def fingerprint() -> str:
         " ".join(cpu["runnable_isas"]),
         build["compiler"],
         __version__,
+        build_digest(),
     ]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
