@@ -180,8 +180,10 @@ def test_set_isa_none_cannot_undo_a_choice_made_while_it_runs(fresh_choice, monk
     if not others:
         pytest.skip("this CPU runs one variant: a racing choice could not differ from the rule")
     racing = others[0]
-    chosen = {"choice": dict.fromkeys(_C.shape_classes(), racing), "source": "test"}
-    monkeypatch.setattr(variant_choice, "_measure_and_store", lambda dtype: dict(chosen))
+    # The racing tune() measures `racing` as the fastest variant in every shape class.
+    timings = {c: {racing: 1.0, rule_variant: 2.0} for c in _C.shape_classes()}
+    monkeypatch.setattr(variant_choice, "candidates", lambda dtype: [rule_variant, racing])
+    monkeypatch.setattr(variant_choice, "measure", lambda dtype: timings)
     rule = variant_choice._rule_choice
     racers: list[threading.Thread] = []
 

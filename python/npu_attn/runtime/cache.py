@@ -37,7 +37,7 @@ def cache_dir() -> Path:
 def build_digest() -> str:
     """A digest of the loaded C++ extension's file: a rebuilt kernel (same version, new code) is
     measured again instead of being judged by its predecessor's timings."""
-    from .. import _C
+    from .extension import _C
 
     try:
         with open(_C.__file__, "rb") as f:

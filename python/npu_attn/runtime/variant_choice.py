@@ -28,9 +28,9 @@ Whether the int8 kernel pays at all is measured too, per dtype, on its first int
 int8 kernel against the exact kernel the dtype runs (:func:`int8_pays`), on a longer
 self-attention shape (``INT8_COMPARISON_SHAPE``, where quantizing gains most). Where the exact
 kernel is the faster of the two (bfloat16 on an AMX CPU, whose exact kernel runs both products
-on bfloat16 tiles while the int8 kernel's P*V and softmax run on 256-bit vectors: 0.25-0.44x on
-Sapphire Rapids), the ``int8`` strategy runs the exact kernel for that dtype: faster and exact.
-Cached under ``"int8 pays <dtype>"``.
+on bfloat16 tiles with the softmax pipelined between them: the int8 kernel ran at 0.44-0.58x its
+speed on Sapphire Rapids), the ``int8`` strategy runs the exact kernel for that dtype: faster
+and exact. Cached under ``"int8 pays <dtype>"``.
 
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -310,6 +310,44 @@ def _rule_choice(dtype: str) -> dict[str, str]:
     return {c: _C.default_isa(dtype) for c in _C.shape_classes()}
 
 
+def _tuning_disabled() -> bool:
+    return os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0"
+
+
+def _settle(
+    key: str,
+    force: bool,
+    fixed: Optional[dict[str, Any]],
+    rule: Callable[[], dict[str, Any]],
+    still_valid: Callable[[dict[str, Any]], bool],
+    measure: Callable[[], dict[str, Any]],
+) -> dict[str, Any]:
+    """The protocol every decision here follows, in this order: a ``fixed`` answer (a pinned
+    variant, a single candidate) stands; ``NPU_ATTN_TUNE=0`` takes the ``rule`` (unless
+    ``force``); a cached entry under ``key`` serves while ``still_valid``; otherwise
+    ``measure()`` (its entry gets the date, is cached and logged by the caller). Called under
+    ``_lock``; returns the entry with its ``source``."""
+    if fixed is not None:
+        return fixed
+    if _tuning_disabled() and not force:
+        return rule()
+    entry = None if force else _CACHE.get(fingerprint(), key)
+    if entry is not None and still_valid(entry):
+        return dict(entry, source=f"measured {entry.get('measured', '')}, cached")
+    stamp = time.strftime("%Y-%m-%d")
+    entry = dict(measure(), measured=stamp)
+    _CACHE.store(fingerprint(), key, entry)
+    return dict(entry, source=f"measured {stamp}")
+
+
+def _pin() -> Optional[tuple[str, str]]:
+    """The pinned variant and how (``set_isa()`` or ``NPU_ATTN_ISA=name``), None if none is."""
+    if _pinned:
+        return _pinned, "set_isa()"
+    name = _environment_pin()
+    return (name, f"NPU_ATTN_ISA={name}") if name else None
+
+
 def tune(dtype: str, force: bool = False) -> dict[str, Any]:
     """Choose the variant for ``dtype`` (measuring unless cached, pinned or disabled), apply it
     to the C++ dispatcher and return the decision: ``choice`` (shape class -> variant),
@@ -320,18 +358,30 @@ def tune(dtype: str, force: bool = False) -> dict[str, Any]:
     with _lock:
         if not force and dtype in _decided:
             return _decided[dtype]
-        pin = _pinned or _environment_pin()
-        if pin is not None:
-            source = "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"
-            entry = {"choice": dict.fromkeys(_C.shape_classes(), pin), "source": source}
-        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
-            entry = {"choice": _rule_choice(dtype), "source": "rule (NPU_ATTN_TUNE=0)"}
-        else:
-            entry = None if force else _CACHE.get(fingerprint(), dtype)
-            if entry is not None and _usable(dtype, entry):
-                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
-            else:
-                entry = _measure_and_store(dtype)
+        classes = _C.shape_classes()
+        fixed, pin = None, _pin()
+        if pin:
+            fixed = {"choice": dict.fromkeys(classes, pin[0]), "source": pin[1]}
+        elif len(candidates(dtype)) == 1 and not (_tuning_disabled() and not force):
+            only = candidates(dtype)[0]  # (NPU_ATTN_TUNE=0 reports the rule, as it always did)
+            fixed = {"choice": dict.fromkeys(classes, only), "source": "only variant"}
+
+        def measured() -> dict[str, Any]:
+            ms = measure(dtype)
+            entry = {"choice": decide(ms), "ms": ms}
+            logger.info(
+                "npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, entry)
+            )
+            return entry
+
+        entry = _settle(
+            dtype,
+            force,
+            fixed,
+            rule=lambda: {"choice": _rule_choice(dtype), "source": "rule (NPU_ATTN_TUNE=0)"},
+            still_valid=lambda cached: _usable(dtype, cached),
+            measure=measured,
+        )
         _apply(dtype, entry)
         _decided[dtype] = entry
         return entry
@@ -343,50 +393,39 @@ def _usable(dtype: str, entry: dict[str, Any]) -> bool:
     return bool(names) and names <= set(_C.runnable_isas())
 
 
-def _measure_and_store(dtype: str) -> dict[str, Any]:
-    if len(candidates(dtype)) == 1:
-        only = candidates(dtype)[0]
-        return {"choice": dict.fromkeys(_C.shape_classes(), only), "source": "only variant"}
-    ms = measure(dtype)
-    stamp = time.strftime("%Y-%m-%d")
-    entry = {"choice": decide(ms), "ms": ms, "measured": stamp}
-    _CACHE.store(fingerprint(), dtype, entry)
-    logger.info("npu_attn: kernel variants measured on this CPU, %s", _describe(dtype, entry))
-    return dict(entry, source=f"measured {stamp}")
-
-
 def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
     """Choose the backward's variant for ``dtype`` like :func:`tune` (measured where its
     backward kernels differ, i.e. bfloat16 with more than one candidate; pinned, disabled or
     otherwise the forward's variant: ``choice`` None), apply it and return the decision."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    tune(dtype)  # the forward's choice first: the backward follows it unless measured
     with _lock:
+        tune(dtype)  # the forward's choice first: the backward follows it unless measured
         if not force and dtype in _decided_backward:
             return _decided_backward[dtype]
-        pin = _pinned or _environment_pin()
-        if pin is not None:
-            entry = {"choice": None, "source": "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"}
+        fixed, pin = None, _pin()
+        if pin:
+            fixed = {"choice": None, "source": pin[1]}
         elif len(backward_candidates(dtype)) < 2:
-            entry = {"choice": None, "source": "the forward's variant"}
-        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
-            entry = {"choice": None, "source": "the forward's variant (NPU_ATTN_TUNE=0)"}
-        else:
-            key = _backward_key(dtype)
-            entry = None if force else _CACHE.get(fingerprint(), key)
-            if entry is not None and entry.get("choice") in _C.runnable_isas():
-                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
-            else:
-                ms = measure_backward(dtype)
-                stamp = time.strftime("%Y-%m-%d")
-                entry = {"choice": decide_backward(ms), "ms": ms, "measured": stamp}
-                _CACHE.store(fingerprint(), key, entry)
-                logger.info(
-                    "npu_attn: kernel variants measured on this CPU, %s",
-                    _describe(dtype, {"choice": {}, "backward": entry}),
-                )
-                entry = dict(entry, source=f"measured {stamp}")
+            fixed = {"choice": None, "source": "the forward's variant"}
+
+        def measured() -> dict[str, Any]:
+            ms = measure_backward(dtype)
+            entry = {"choice": decide_backward(ms), "ms": ms}
+            logger.info(
+                "npu_attn: kernel variants measured on this CPU, %s",
+                _describe(dtype, {"choice": {}, "backward": entry}),
+            )
+            return entry
+
+        entry = _settle(
+            _backward_key(dtype),
+            force,
+            fixed,
+            rule=lambda: {"choice": None, "source": "the forward's variant (NPU_ATTN_TUNE=0)"},
+            still_valid=lambda cached: cached.get("choice") in _C.runnable_isas(),
+            measure=measured,
+        )
         _C.set_backward_isa(entry["choice"], dtype)
         _decided_backward[dtype] = entry
         return entry
@@ -402,25 +441,27 @@ def tune_int8(force: bool = False) -> dict[str, Any]:
     with _lock:
         if not force and _decided_int8:
             return _decided_int8
-        pin = _pinned or _environment_pin()
         names = int8_candidates()
-        if pin is not None:
-            entry = {"choice": pin, "source": "set_isa()" if _pinned else f"NPU_ATTN_ISA={pin}"}
+        fixed, pin = None, _pin()
+        if pin:
+            fixed = {"choice": pin[0], "source": pin[1]}
         elif len(names) == 1:
-            entry = {"choice": names[0], "source": "only variant"}
-        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
-            entry = {"choice": _C.default_int8_isa(), "source": "rule (NPU_ATTN_TUNE=0)"}
-        else:
-            entry = None if force else _CACHE.get(fingerprint(), "int8")
-            if entry is not None and entry.get("choice") in _C.runnable_isas():
-                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
-            else:
-                ms = measure_int8()
-                stamp = time.strftime("%Y-%m-%d")
-                entry = {"choice": decide_backward(ms), "ms": ms, "measured": stamp}
-                _CACHE.store(fingerprint(), "int8", entry)
-                logger.info("npu_attn: int8 kernel measured on this CPU: %s", entry["choice"])
-                entry = dict(entry, source=f"measured {stamp}")
+            fixed = {"choice": names[0], "source": "only variant"}
+
+        def measured() -> dict[str, Any]:
+            ms = measure_int8()
+            entry = {"choice": decide_backward(ms), "ms": ms}
+            logger.info("npu_attn: int8 kernel measured on this CPU: %s", entry["choice"])
+            return entry
+
+        entry = _settle(
+            "int8",
+            force,
+            fixed,
+            rule=lambda: {"choice": _C.default_int8_isa(), "source": "rule (NPU_ATTN_TUNE=0)"},
+            still_valid=lambda cached: cached.get("choice") in _C.runnable_isas(),
+            measure=measured,
+        )
         _C.set_int8_isa(entry["choice"])
         _decided_int8.clear()
         _decided_int8.update(entry)
@@ -462,37 +503,29 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
     with _lock:
         # Both kernels chosen under the same hold, so a concurrent pin() or forget() cannot
         # empty a decision between choosing it and reading it.
-        exact_choice = tune(dtype)["choice"]["self-attention"]
-        int8_choice = tune_int8()["choice"]
-        pin = _pinned or _environment_pin()
-        key = f"int8 pays {dtype}"
-        if pin is not None:
-            entry = {"pays": True, "source": "pinned variant: int8 kernel"}
-        elif os.environ.get("NPU_ATTN_TUNE", "1").strip() == "0" and not force:
-            entry = {"pays": True, "source": "rule (NPU_ATTN_TUNE=0)"}
-        else:
+        kernels = {"int8": tune_int8()["choice"], "exact": tune(dtype)["choice"]["self-attention"]}
+        fixed = {"pays": True, "source": "pinned variant: int8 kernel"} if _pin() else None
+
+        def measured() -> dict[str, Any]:
+            ms = measure_int8_against_exact(dtype)
+            entry = {"pays": ms["int8"] < ms["exact"], "kernels": kernels, "ms": ms}
+            logger.info(
+                "npu_attn: int8 on %s measured against the exact kernel: %s (%s)",
+                dtype,
+                "int8 kernel" if entry["pays"] else "exact kernel, faster here",
+                format_timings(ms),
+            )
+            return entry
+
+        entry = _settle(
+            f"int8 pays {dtype}",
+            force,
+            fixed,
+            rule=lambda: {"pays": True, "source": "rule (NPU_ATTN_TUNE=0)"},
             # The two kernels compared: a cached answer holds only while both are still chosen.
-            kernels = {"int8": int8_choice, "exact": exact_choice}
-            entry = None if force else _CACHE.get(fingerprint(), key)
-            if entry is not None and entry.get("kernels") == kernels:
-                entry = dict(entry, source=f"measured {entry.get('measured', '')}, cached")
-            else:
-                ms = measure_int8_against_exact(dtype)
-                stamp = time.strftime("%Y-%m-%d")
-                entry = {
-                    "pays": ms["int8"] < ms["exact"],
-                    "kernels": kernels,
-                    "ms": ms,
-                    "measured": stamp,
-                }
-                _CACHE.store(fingerprint(), key, entry)
-                logger.info(
-                    "npu_attn: int8 on %s measured against the exact kernel: %s (%s)",
-                    dtype,
-                    "int8 kernel" if entry["pays"] else "exact kernel, faster here",
-                    format_timings(ms),
-                )
-                entry = dict(entry, source=f"measured {stamp}")
+            still_valid=lambda cached: cached.get("kernels") == kernels,
+            measure=measured,
+        )
         _decided_int8_pays[dtype] = entry
         return entry
 
