@@ -145,11 +145,6 @@ NPU_ATTN_VEC_INLINE IReg dot_words(IReg acc, IReg a, IReg b) {
 #else
 constexpr bool kVnniProducts = false;
 #endif
-#if defined(__AVX512VNNI__) && NPU_ATTN_VEC_BYTES == 64
-#define NPU_ATTN_AVX512_VNNI_SCORES 1
-#else
-#define NPU_ATTN_AVX512_VNNI_SCORES 0
-#endif
 // Q K^T on AMX tiles: tdpbssd multiplies signed by signed bytes, 16 keys x 16 queries x 64
 // channels per instruction (the amx_int8 variant; in the tests, the software tile unit of
 // tests/cpp/amx_emulation.h). K code rows are padded to whole tiles: 64 channels, 16 keys.
@@ -592,11 +587,12 @@ void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_code
     }
   }
 }
-#elif NPU_ATTN_INT8_REGISTERS && (NPU_ATTN_VEC_BYTES == 32 || NPU_ATTN_AVX512_VNNI_SCORES)
+#elif NPU_ATTN_INT8_REGISTERS
 // Register blocks of 4 keys x 2 query vectors: 8 accumulators, 2 Q words, the K broadcast and
 // its absolute value, the vpmaddwd ones and two temporaries fit AVX2's 16 ymm registers. (With
-// VNNI the block keeps this shape; zmm registers take 4 x 4: kScoreBlockVecs.) Without VNNI
-// only on ymm registers: AVX-512 has no vpsignb.
+// VNNI the block keeps this shape; zmm registers take 4 x 4: kScoreBlockVecs.)
+static_assert(kVecBytes == 32 || kVnniProducts,
+              "int8 scores on zmm registers need VNNI: AVX-512 has no vpsignb");
 template <int Rows, int Cols>
 NPU_ATTN_VEC_INLINE void int8_block(const AliasWord* k, int64_t words, const uint32_t* q,
                                     int64_t ld, const ScoreScales& sc, float* out) {
