@@ -506,3 +506,52 @@ def test_memory_estimates_count_the_heads_the_unet_really_has(model, heads):
 
     config = architecture_summary(model)[1]
     assert attention_geometry(FAMILIES[model], config, 64)[2] == heads
+
+
+def test_float16_sdxl_estimates_its_float32_decode():
+    """SDXL's VAE asks to decode in float32 when the pipeline runs in float16 (force_upcast;
+    bfloat16 is left alone): the estimate adds its weights and feature maps at 4 bytes each."""
+    from npu_attn.tools.pipelines import ARCHITECTURES, estimated_memory_bytes, vae_summary
+
+    vae_params, force_upcast = vae_summary("sdxl")
+    assert force_upcast and vae_params > 80_000_000  # SDXL's VAE: 83.7M parameters
+    bfloat16 = estimated_memory_bytes("sdxl", 1024, 2)
+    float16 = estimated_memory_bytes("sdxl", 1024, 2, float16=True)
+    decoder_elements = ARCHITECTURES["sdxl"][3][0] * 1024 * 1024 * 4
+    assert float16 - bfloat16 == 2 * vae_params + 2 * decoder_elements
+    # SD-1.5's pipeline decodes in its own dtype
+    assert not vae_summary("sd15")[1]
+    assert estimated_memory_bytes("sd15", 512, 2, float16=True) == estimated_memory_bytes(
+        "sd15", 512, 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "decoder_dtype"), [("tiny-sdxl", "float32"), ("tiny", "float16")]
+)
+def test_float16_pipelines_decode_in_the_dtype_the_estimate_assumes(model, decoder_dtype):
+    """The real diffusers pipelines in float16, with our architectures' VAEs: SDXL's runs its
+    decoder in float32, SD-1.5's in float16 (both VAEs set force_upcast)."""
+    import torch
+
+    from npu_attn.tools.pipelines import (
+        FAMILIES,
+        build_pipeline,
+        decodes_in_float32,
+        fit_size,
+        prompt_embeddings,
+    )
+
+    pipe = build_pipeline(model).to(torch.float16)
+    assert decodes_in_float32(FAMILIES[model], pipe.vae.config) == (decoder_dtype == "float32")
+    fit_size(pipe, 32)
+    seen = []
+    pipe.vae.decoder.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    pipe(
+        **prompt_embeddings(pipe, torch.float16, "cpu"),
+        num_inference_steps=1,
+        height=32,
+        width=32,
+        output_type="np",
+    )
+    assert seen == [getattr(torch, decoder_dtype)]

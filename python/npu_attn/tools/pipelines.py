@@ -658,14 +658,33 @@ def size_problem(family: Optional[str], config, vae_scale: int, size: int) -> Op
 def architecture_summary(model: str) -> tuple[int, Any]:
     """(parameters of the denoiser and VAE, the denoiser's full config) of the architecture,
     from models built on the meta device (no memory, no weights); cached."""
+    return _summary(model)[:2]
+
+
+def vae_summary(model: str) -> tuple[int, bool]:
+    """(parameters of the architecture's VAE, whether its pipeline decodes in float32 when run
+    in float16: decodes_in_float32)."""
+    return _summary(model)[2:]
+
+
+def _summary(model: str) -> tuple[int, Any, int, bool]:
     if model not in _SUMMARIES:
         import torch
 
         with torch.device("meta"):
-            models = (build_denoiser(model), family_vae(model))
-        count = sum(p.numel() for m in models for p in m.parameters())
-        _SUMMARIES[model] = (count, models[0].config)
+            denoiser_model, vae = build_denoiser(model), family_vae(model)
+        vae_count = sum(p.numel() for p in vae.parameters())
+        count = vae_count + sum(p.numel() for p in denoiser_model.parameters())
+        upcast = decodes_in_float32(FAMILIES[model], vae.config)
+        _SUMMARIES[model] = (count, denoiser_model.config, vae_count, upcast)
     return _SUMMARIES[model]
+
+
+def decodes_in_float32(family: Optional[str], vae_config) -> bool:
+    """Whether the family's pipeline, run in float16, converts its VAE to float32 for the
+    decode: diffusers' SDXL pipelines do where the VAE's config sets force_upcast (SDXL's VAE
+    overflows in float16); the others decode in the pipeline's dtype."""
+    return family == "sdxl" and bool(vae_config.get("force_upcast", False))
 
 
 def parameter_count(model: str) -> int:
@@ -673,7 +692,7 @@ def parameter_count(model: str) -> int:
     return architecture_summary(model)[0]
 
 
-_SUMMARIES: dict[str, tuple[int, Any]] = {}
+_SUMMARIES: dict[str, tuple[int, Any, int, bool]] = {}
 # Hidden-state-sized tensors alive at once inside a block (residual, norm, q, k, v, attention
 # output, the MLP's 4x-wide hidden...): a rough, generous count for the memory estimate.
 LIVE_HIDDEN_COPIES = 16
@@ -700,23 +719,40 @@ def attention_geometry(family: Optional[str], config, latent: int) -> tuple[int,
     return tokens, heads * get("attention_head_dim"), heads
 
 
-def step_activation_bytes(family, config, vae_channels, vae_scale, size, element_bytes, images):
+def step_activation_bytes(
+    family, config, vae_channels, vae_scale, size, element_bytes, images, decoder_bytes=None
+):
     """A rough upper bound of one step's activations: the largest attention's hidden states
     (LIVE_HIDDEN_COPIES of them) and score matrix, for the guidance batch (2 per image; Flux's
-    guidance is distilled, 1), plus the VAE decoder's full-resolution feature maps."""
+    guidance is distilled, 1), plus the VAE decoder's full-resolution feature maps (of
+    `decoder_bytes` per element: element_bytes unless the decode runs in float32)."""
     batch = images * (1 if family == "flux" else 2)
     tokens, width, heads = attention_geometry(family, config, size // vae_scale)
     hidden = batch * tokens * width * LIVE_HIDDEN_COPIES
     scores = batch * heads * tokens * tokens
     decoder = images * vae_channels[0] * size * size * 4
-    return (hidden + scores + decoder) * element_bytes
+    return (hidden + scores) * element_bytes + decoder * (decoder_bytes or element_bytes)
 
 
-def estimated_memory_bytes(model: str, size: int, element_bytes: int, images: int = 1) -> int:
+def estimated_memory_bytes(
+    model: str, size: int, element_bytes: int, images: int = 1, *, float16: bool = False
+) -> int:
     """The memory a generation with the built-in architecture needs, estimated before anything
-    is built: parameters x bytes per element plus one step's activations at `size`."""
+    is built: parameters x bytes per element plus one step's activations at `size`. `float16`:
+    the run is in float16, where SDXL's pipeline converts the VAE to float32 for the decode
+    (decodes_in_float32): its weights and feature maps then take 4 bytes per element."""
     config, vae_channels = architecture_summary(model)[1], ARCHITECTURES[model][3]
+    vae_params, force_upcast = vae_summary(model)
+    decoder_bytes = 4 if float16 and force_upcast else element_bytes
     activations = step_activation_bytes(
-        FAMILIES[model], config, vae_channels, vae_scale_factor(model), size, element_bytes, images
+        FAMILIES[model],
+        config,
+        vae_channels,
+        vae_scale_factor(model),
+        size,
+        element_bytes,
+        images,
+        decoder_bytes,
     )
-    return parameter_count(model) * element_bytes + activations
+    upcast_weights = vae_params * (decoder_bytes - element_bytes)
+    return parameter_count(model) * element_bytes + upcast_weights + activations

@@ -22,6 +22,7 @@ from .pipelines import (
     FAMILIES,
     architecture_summary,
     build_pipeline,
+    decodes_in_float32,
     denoiser,
     estimated_memory_bytes,
     fit_size,
@@ -122,7 +123,7 @@ class StepProgress:
 def model_label(model: str, dtype: str = "float32") -> str:
     """The model menu's entry: name, family, parameters and estimated memory at its size."""
     size = ARCHITECTURES[model][1]
-    memory = estimated_memory_bytes(model, size, ELEMENT_BYTES[dtype])
+    memory = estimated_memory_bytes(model, size, ELEMENT_BYTES[dtype], float16=dtype == "float16")
     return (
         f"{model}: {FAMILY_NAMES[FAMILIES[model]]}, {parameter_count(model) / 1e6:,.1f}M "
         f"parameters, ~{memory / 2**30:.2f} GiB at {size}px {dtype}"
@@ -189,7 +190,13 @@ class Studio:
         if problem is not None:
             raise InputError(f"{request.model}: {problem}")
         # Images are generated one pipeline call at a time: one image's activations at a time.
-        needed = estimated_memory_bytes(request.model, size, ELEMENT_BYTES[request.dtype], 1)
+        needed = estimated_memory_bytes(
+            request.model,
+            size,
+            ELEMENT_BYTES[request.dtype],
+            1,
+            float16=request.dtype == "float16",
+        )
         self._check_memory(needed, request.model)
 
     @staticmethod
@@ -330,6 +337,7 @@ class Studio:
         if problem is not None:
             raise InputError(f"{request.folder}: {problem}")
         channels = pipe.vae.config.block_out_channels
+        upcast = request.dtype == "float16" and decodes_in_float32(family, pipe.vae.config)
         activations = step_activation_bytes(
             family,
             config,
@@ -338,7 +346,10 @@ class Studio:
             size,
             ELEMENT_BYTES[request.dtype],
             1,  # one image per pipeline call
+            4 if upcast else None,
         )
+        if upcast:  # the VAE's weights, converted to float32 for the decode
+            activations += 2 * sum(p.numel() for p in pipe.vae.parameters())
         self._check_memory(
             activations, f"{request.folder} at {size}px", "one step's activations", False
         )
