@@ -331,7 +331,7 @@ def test_memory_is_estimated_for_one_image_at_a_time():
     image's activations, not eight (about 5 GiB in float32, accepted on a 24 GiB machine)."""
     from npu_attn.tools.pipelines import estimated_memory_bytes
 
-    one = estimated_memory_bytes("sd15", 512, 4, 1)
+    one = estimated_memory_bytes("sd15", 512, "float32", 1)
     studio = Studio()
     if (studio.available_memory_bytes() or 0) < 2 * one:
         pytest.skip("less than twice one SD-1.5 image's memory is available here")
@@ -515,14 +515,14 @@ def test_float16_sdxl_estimates_its_float32_decode():
 
     vae_params, force_upcast = vae_summary("sdxl")
     assert force_upcast and vae_params > 80_000_000  # SDXL's VAE: 83.7M parameters
-    bfloat16 = estimated_memory_bytes("sdxl", 1024, 2)
-    float16 = estimated_memory_bytes("sdxl", 1024, 2, float16=True)
+    bfloat16 = estimated_memory_bytes("sdxl", 1024, "bfloat16")
+    float16 = estimated_memory_bytes("sdxl", 1024, "float16")
     decoder_elements = ARCHITECTURES["sdxl"][3][0] * 1024 * 1024 * 4
     assert float16 - bfloat16 == 2 * vae_params + 2 * decoder_elements
     # SD-1.5's pipeline decodes in its own dtype
     assert not vae_summary("sd15")[1]
-    assert estimated_memory_bytes("sd15", 512, 2, float16=True) == estimated_memory_bytes(
-        "sd15", 512, 2
+    assert estimated_memory_bytes("sd15", 512, "float16") == estimated_memory_bytes(
+        "sd15", 512, "bfloat16"
     )
 
 

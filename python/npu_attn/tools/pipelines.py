@@ -719,40 +719,44 @@ def attention_geometry(family: Optional[str], config, latent: int) -> tuple[int,
     return tokens, heads * get("attention_head_dim"), heads
 
 
-def step_activation_bytes(
-    family, config, vae_channels, vae_scale, size, element_bytes, images, decoder_bytes=None
-):
+# Bytes per element of the dtypes a generation runs in.
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def decoder_elements(vae_channels, size, images) -> int:
+    """The VAE decoder's full-resolution feature maps (a few alive at once), in elements."""
+    return images * vae_channels[0] * size * size * 4
+
+
+def step_activation_bytes(family, config, vae_channels, vae_scale, size, element_bytes, images):
     """A rough upper bound of one step's activations: the largest attention's hidden states
     (LIVE_HIDDEN_COPIES of them) and score matrix, for the guidance batch (2 per image; Flux's
-    guidance is distilled, 1), plus the VAE decoder's full-resolution feature maps (of
-    `decoder_bytes` per element: element_bytes unless the decode runs in float32)."""
+    guidance is distilled, 1), plus the VAE decoder's full-resolution feature maps."""
     batch = images * (1 if family == "flux" else 2)
     tokens, width, heads = attention_geometry(family, config, size // vae_scale)
     hidden = batch * tokens * width * LIVE_HIDDEN_COPIES
     scores = batch * heads * tokens * tokens
-    decoder = images * vae_channels[0] * size * size * 4
-    return (hidden + scores) * element_bytes + decoder * (decoder_bytes or element_bytes)
+    decoder = decoder_elements(vae_channels, size, images)
+    return (hidden + scores + decoder) * element_bytes
 
 
-def estimated_memory_bytes(
-    model: str, size: int, element_bytes: int, images: int = 1, *, float16: bool = False
-) -> int:
-    """The memory a generation with the built-in architecture needs, estimated before anything
-    is built: parameters x bytes per element plus one step's activations at `size`. `float16`:
-    the run is in float16, where SDXL's pipeline converts the VAE to float32 for the decode
-    (decodes_in_float32): its weights and feature maps then take 4 bytes per element."""
+def float32_decode_bytes(dtype, upcasts, vae_params, vae_channels, size, images) -> int:
+    """What decoding in float32 adds to a float16 run whose pipeline does it (`upcasts`:
+    decodes_in_float32): the VAE's weights and decoder feature maps at 4 bytes instead of 2."""
+    if dtype != "float16" or not upcasts:
+        return 0
+    return 2 * (vae_params + decoder_elements(vae_channels, size, images))
+
+
+def estimated_memory_bytes(model: str, size: int, dtype: str = "float32", images: int = 1) -> int:
+    """The memory a generation with the built-in architecture needs in `dtype`, estimated before
+    anything is built: parameters x bytes per element plus one step's activations at `size`
+    (and the float32 decode of SDXL in float16: float32_decode_bytes)."""
     config, vae_channels = architecture_summary(model)[1], ARCHITECTURES[model][3]
-    vae_params, force_upcast = vae_summary(model)
-    decoder_bytes = 4 if float16 and force_upcast else element_bytes
+    element_bytes = ELEMENT_BYTES[dtype]
     activations = step_activation_bytes(
-        FAMILIES[model],
-        config,
-        vae_channels,
-        vae_scale_factor(model),
-        size,
-        element_bytes,
-        images,
-        decoder_bytes,
+        FAMILIES[model], config, vae_channels, vae_scale_factor(model), size, element_bytes, images
     )
-    upcast_weights = vae_params * (decoder_bytes - element_bytes)
-    return parameter_count(model) * element_bytes + upcast_weights + activations
+    vae_params, upcasts = vae_summary(model)
+    decode = float32_decode_bytes(dtype, upcasts, vae_params, vae_channels, size, images)
+    return parameter_count(model) * element_bytes + activations + decode

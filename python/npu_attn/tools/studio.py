@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from .pipelines import (
     ARCHITECTURES,
+    ELEMENT_BYTES,
     FAMILIES,
     architecture_summary,
     build_pipeline,
@@ -26,6 +27,7 @@ from .pipelines import (
     denoiser,
     estimated_memory_bytes,
     fit_size,
+    float32_decode_bytes,
     load_pipeline,
     parameter_count,
     pipeline_family,
@@ -65,7 +67,6 @@ FAMILY_ACCELERATIONS = {
     "flux": ("block_cache", "channels_last", "compile", "freeze"),
     "hidream": ("block_cache", "channels_last", "compile", "freeze"),
 }
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_ESTIMATE = "parameters x bytes per element + one step's activations"
 MAX_STEPS = 100
 MAX_IMAGES = 8
@@ -123,7 +124,7 @@ class StepProgress:
 def model_label(model: str, dtype: str = "float32") -> str:
     """The model menu's entry: name, family, parameters and estimated memory at its size."""
     size = ARCHITECTURES[model][1]
-    memory = estimated_memory_bytes(model, size, ELEMENT_BYTES[dtype], float16=dtype == "float16")
+    memory = estimated_memory_bytes(model, size, dtype)
     return (
         f"{model}: {FAMILY_NAMES[FAMILIES[model]]}, {parameter_count(model) / 1e6:,.1f}M "
         f"parameters, ~{memory / 2**30:.2f} GiB at {size}px {dtype}"
@@ -190,13 +191,7 @@ class Studio:
         if problem is not None:
             raise InputError(f"{request.model}: {problem}")
         # Images are generated one pipeline call at a time: one image's activations at a time.
-        needed = estimated_memory_bytes(
-            request.model,
-            size,
-            ELEMENT_BYTES[request.dtype],
-            1,
-            float16=request.dtype == "float16",
-        )
+        needed = estimated_memory_bytes(request.model, size, request.dtype, 1)
         self._check_memory(needed, request.model)
 
     @staticmethod
@@ -337,7 +332,6 @@ class Studio:
         if problem is not None:
             raise InputError(f"{request.folder}: {problem}")
         channels = pipe.vae.config.block_out_channels
-        upcast = request.dtype == "float16" and decodes_in_float32(family, pipe.vae.config)
         activations = step_activation_bytes(
             family,
             config,
@@ -346,10 +340,14 @@ class Studio:
             size,
             ELEMENT_BYTES[request.dtype],
             1,  # one image per pipeline call
-            4 if upcast else None,
+        ) + float32_decode_bytes(
+            request.dtype,
+            decodes_in_float32(family, pipe.vae.config),
+            sum(p.numel() for p in pipe.vae.parameters()),
+            channels,
+            size,
+            1,
         )
-        if upcast:  # the VAE's weights, converted to float32 for the decode
-            activations += 2 * sum(p.numel() for p in pipe.vae.parameters())
         self._check_memory(
             activations, f"{request.folder} at {size}px", "one step's activations", False
         )
