@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -243,6 +244,20 @@ CpuInfo query_cpu_info() {
   info.l2_bytes = cache_bytes(2, "Unified");
   info.l3_bytes = cache_bytes(3, "Unified");
   return info;
+}
+
+namespace {
+std::atomic<int64_t> l2_override{0};
+}  // namespace
+
+int64_t planning_l2_bytes() {
+  static const int64_t detected = cache_bytes(2, "Unified");
+  const int64_t chosen = l2_override.load(std::memory_order_relaxed);
+  return chosen > 0 ? chosen : detected;
+}
+
+void set_planning_l2_bytes(int64_t bytes) {
+  l2_override.store(bytes > 0 ? bytes : 0, std::memory_order_relaxed);
 }
 
 MemoryInfo query_memory_info() {

@@ -59,4 +59,10 @@ struct MemoryInfo {
 CpuInfo query_cpu_info();
 MemoryInfo query_memory_info();
 
+// The L2 size per core that the kernels' tile plans assume: cpu0's from sysfs, read once (0
+// where sysfs does not say), unless set_planning_l2_bytes chose another size. Tests use the
+// setter to run both sides of a rule on any machine; 0 returns to the detected size.
+int64_t planning_l2_bytes();
+void set_planning_l2_bytes(int64_t bytes);
+
 }  // namespace npu_attn

@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "../attention_params.h"
+#include "../system_info.h"
 #include "forward_driver_impl.h"
 #include "vec_impl.h"
 
@@ -49,16 +50,22 @@ namespace {
 constexpr int64_t kKeyTile = 512;
 // Queries per task: 64 amortise streaming K and V through the key loop...
 constexpr int64_t kMaxQueryTile = 64;
-// ...and 128 with 512-bit vectors where one (batch, kv-head) pair's K and V, counted as float32,
-// exceed kStreamedKvBytes: then they no longer stay in cache between tasks and every task
-// streams them from memory, so fewer, taller tasks move half the bytes. On Sapphire Rapids
-// (float32, 2 threads) the VAE mid-block at 1024px (one head, 16384 keys of head dim 512:
-// 64 MiB) took 0.76x the time with 128-query tiles; at 512px (16 MiB) and on the other named
-// shapes (up to 4.5 MiB) they gave nothing (0.97-1.06x), hence the threshold. Not with 256-bit
-// vectors, never measured there (AVX2 cores have 512 KiB-2 MiB of L2 for the taller S^T and
-// O^T tiles).
-constexpr int64_t kStreamedQueryTile = kVecBytes == 64 ? 128 : kMaxQueryTile;
+// ...and 128 where one (batch, kv-head) pair's K and V, counted as float32, exceed
+// kStreamedKvBytes: then they no longer stay in cache between tasks and every task streams them
+// from memory, so fewer, taller tasks move half the bytes. On Sapphire Rapids (float32,
+// 2 threads) the VAE mid-block at 1024px (one head, 16384 keys of head dim 512: 64 MiB) took
+// 0.76x the time with 128-query tiles and 512-bit vectors; at 512px (16 MiB) and on the other
+// named shapes (up to 4.5 MiB) they gave nothing (0.97-1.06x), hence the threshold. With
+// 256-bit vectors (AVX2) only on cores with at least kStreamedTileMinL2 of L2: the taller S^T
+// and O^T tiles take 512 KiB at head dim 512, all of a Zen 3 core's L2 (never measured there),
+// while on Sapphire Rapids with AVX-512 hidden (2 MiB L2, like recent Intel client P-cores)
+// the VAE mid-block at 1024px took 0.92x the time (bfloat16 inputs 0.91x, the int8 kernel
+// 0.95x; outputs bit-identical); a threshold of 8 MiB there made 512px 4% slower.
+// Not with 128-bit vectors (never measured).
+constexpr int64_t kStreamedQueryTile = 128;
 constexpr int64_t kStreamedKvBytes = int64_t{32} << 20;
+constexpr int64_t kStreamedTileMinL2 = int64_t{1} << 20;
+constexpr bool kStreamedTilesMeasured = kVecBytes >= 32;
 // ...halved while there would be fewer than kTasksPerThread tasks per thread (small
 // batch * heads, short sequences), so every thread stays busy and the dynamic schedule has
 // spare tasks to balance uneven ones (causal), but never below kMinQueryTile: one AVX-512
@@ -83,7 +90,9 @@ constexpr int64_t kLargeDimV = 384;
 static_assert(kMinQueryTile % kLanes == 0 && kMaxQueryTile % kMinQueryTile == 0 &&
                   kStreamedQueryTile % kMinQueryTile == 0,
               "query tiles are whole vectors, and halving a query tile reaches kMinQueryTile");
-constexpr int kTileQueryVecs = kStreamedQueryTile / kLanes;  // vectors spanning the tallest tile
+// Vectors spanning the tallest tile a variant runs.
+constexpr int kTileQueryVecs =
+    (kStreamedTilesMeasured ? kStreamedQueryTile : kMaxQueryTile) / kLanes;
 
 // V rows whose stride is a multiple of 512 bytes all fall into a few of L1's 64 sets (of 64-byte
 // lines, on current x86 cores). For large value head dims the P*V pass reads one line from each
@@ -152,11 +161,18 @@ bool panel_operand(const AttentionParams& p, int64_t dim) {
   return (p.len_q >= kPanelMinLength && p.len_k >= kPanelMinLength) || dim >= kLargeDimV;
 }
 
+// Whether this variant runs kStreamedQueryTile-query tiles on this core (see above).
+bool streamed_tiles_fit() {
+  if (!kStreamedTilesMeasured) return false;
+  return kVecBytes == 64 || planning_l2_bytes() >= kStreamedTileMinL2;
+}
+
 // Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
 int64_t query_tile_for(const AttentionParams& p, int threads) {
   const int64_t heads_rows = p.batch * p.heads_q;
   const int64_t kv_bytes = p.len_k * (p.head_dim + p.head_dim_v) * int64_t{sizeof(float)};
-  int64_t block_q = kv_bytes > kStreamedKvBytes ? kStreamedQueryTile : kMaxQueryTile;
+  int64_t block_q =
+      kv_bytes > kStreamedKvBytes && streamed_tiles_fit() ? kStreamedQueryTile : kMaxQueryTile;
   while (block_q > kMinQueryTile &&
          heads_rows * ceil_div(p.len_q, block_q) < kTasksPerThread * threads) {
     block_q /= 2;

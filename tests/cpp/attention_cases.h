@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "attention.h"
+#include "reference.h"
+#include "system_info.h"
 #include "test_support.h"
 
 namespace npu_attn::testing {
@@ -118,6 +120,36 @@ inline void build(const Case& c, Problem& pr, uint32_t seed) {
   pr.args.enable_gqa = c.heads_q != c.heads_kv;
   pr.args.num_threads = 2;
   build_mask(c, pr, seed + 3);
+}
+
+// Sets the L2 size the kernels' tile plans assume (planning_l2_bytes), for one scope.
+struct PlanningL2 {
+  explicit PlanningL2(int64_t bytes) { set_planning_l2_bytes(bytes); }
+  ~PlanningL2() { set_planning_l2_bytes(0); }
+  PlanningL2(const PlanningL2&) = delete;
+  PlanningL2& operator=(const PlanningL2&) = delete;
+};
+
+// The float64 reference for a few queries of a problem too large to reference whole (no mask,
+// not causal, one batch): a problem of only the `sampled` queries of every head of `pr` (built
+// from `c`), with pr's K and V, whose ref_out holds their reference outputs.
+inline Problem reference_for_sampled_queries(const Case& c, const Problem& pr,
+                                             const std::vector<int64_t>& sampled) {
+  Case sub_case = c;
+  sub_case.len_q = static_cast<int64_t>(sampled.size());
+  Problem sub;
+  build(sub_case, sub, 0);
+  sub.k.storage = pr.k.storage;
+  sub.v.storage = pr.v.storage;
+  for (int64_t h = 0; h < c.heads_q; ++h)
+    for (size_t i = 0; i < sampled.size(); ++i)
+      for (int64_t d = 0; d < c.head_dim; ++d)
+        sub.q.at({0, h, int64_t(i), d}) = pr.q.storage[pr.q.offset({0, h, sampled[i], d})];
+  SdpaArguments ref_args = sub.args;
+  ref_args.out = sub.ref_out.view(DType::kFloat32);
+  ref_args.lse = sub.ref_lse.view(DType::kFloat32);
+  attention_reference(make_attention_params(ref_args));
+  return sub;
 }
 
 }  // namespace npu_attn::testing

@@ -84,42 +84,41 @@ TEST_P(EveryIsa, MatchesReferenceOnShapeGrid) {
 }
 
 // K and V too large to stay in cache between tasks (over 32 MiB as float32): with 512-bit
-// vectors the kernel then runs taller query tiles (kStreamedQueryTile, 128 queries). Too large
-// for the double reference on every query (8.6 GFLOP), so the reference runs on sampled queries
-// alone: both sides of the tile boundaries and the ragged last tile. One thread, so the four
-// tasks that keep the tall tiles exist.
-TEST_P(EveryIsa, StreamedKeyValuesMatchTheReferenceOnSampledQueries) {
-  const std::string fp32_kernel =
-      kernel_variant(GetParam()).forward_kernel[static_cast<int>(ElementType::kFloat32)];
-  if (fp32_kernel.find("avx512") == std::string::npos)
-    GTEST_SKIP() << "the " << fp32_kernel << " kernel keeps 64-query tiles (512-bit vectors only)";
+// vectors the kernel then runs taller query tiles (kStreamedQueryTile, 128 queries), with
+// 256-bit vectors where the core's L2 holds them (kStreamedTileMinL2). Too large for the double
+// reference on every query (8.6 GFLOP), so the reference runs on sampled queries alone: both
+// sides of the tile boundaries and the ragged last tile. One thread, so the four tasks that keep
+// the tall tiles exist.
+void expect_streamed_key_values_match(Isa isa) {
   const Case c{1, 2, 1, 257, 4100, 1024, 1024};  // K and V: 4100 x 2048 floats, 33.6 MB
   Problem pr;
   build(c, pr, 5);
   pr.args.num_threads = 1;
-  run_attention_forward(make_attention_params(pr.args), GetParam());
+  run_attention_forward(make_attention_params(pr.args), isa);
 
   const std::vector<int64_t> sampled = {0, 127, 128, 255, 256};
-  Case sub_case = c;
-  sub_case.len_q = static_cast<int64_t>(sampled.size());
-  Problem sub;
-  build(sub_case, sub, 5);
-  sub.k.storage = pr.k.storage;
-  sub.v.storage = pr.v.storage;
-  for (int64_t h = 0; h < c.heads_q; ++h)
-    for (size_t i = 0; i < sampled.size(); ++i)
-      for (int64_t d = 0; d < c.head_dim; ++d)
-        sub.q.at({0, h, int64_t(i), d}) = pr.q.at({0, h, sampled[i], d});
-  SdpaArguments ref_args = sub.args;
-  ref_args.out = sub.ref_out.view(DType::kFloat32);
-  ref_args.lse = sub.ref_lse.view(DType::kFloat32);
-  attention_reference(make_attention_params(ref_args));
+  Problem sub = reference_for_sampled_queries(c, pr, sampled);
   const double tol = 1e-5 * std::max(1.0, max_abs(sub.ref_out));
   for (int64_t h = 0; h < c.heads_q; ++h)
     for (size_t i = 0; i < sampled.size(); ++i)
       for (int64_t d = 0; d < c.head_dim_v; ++d)
         ASSERT_NEAR(pr.out.at({0, h, sampled[i], d}), sub.ref_out.at({0, h, int64_t(i), d}), tol)
             << "query " << sampled[i] << " head " << h << " channel " << d;
+}
+
+// Planned for a 2 MiB L2 and for a 256 KiB one, whatever this CPU has, so both tile heights
+// run with 256-bit vectors.
+TEST_P(EveryIsa, StreamedKeyValuesMatchTheReferenceOnSampledQueries) {
+  const std::string fp32_kernel =
+      kernel_variant(GetParam()).forward_kernel[static_cast<int>(ElementType::kFloat32)];
+  if (fp32_kernel.find("avx") == std::string::npos)
+    GTEST_SKIP() << "the " << fp32_kernel
+                 << " kernel keeps 64-query tiles (256-bit and wider vectors only)";
+  for (int64_t l2_bytes : {int64_t{2} << 20, int64_t{256} << 10}) {
+    SCOPED_TRACE("planned for an L2 of " + std::to_string(l2_bytes) + " bytes");
+    PlanningL2 l2(l2_bytes);
+    expect_streamed_key_values_match(GetParam());
+  }
 }
 
 TEST_P(EveryIsa, MatchesReferenceWithMasksAndCausal) {

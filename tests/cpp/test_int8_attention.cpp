@@ -109,6 +109,39 @@ TEST_P(Int8EveryIsa, AccurateOnDiffusionLikeActivations) {
   }
 }
 
+// K and V too large to stay in cache between tasks (over 32 MiB as float32), where the float
+// side runs 128-query tiles (with 256-bit vectors where the core's L2 holds them: planned here
+// for a 2 MiB L2 and for a 256 KiB one, so both heights run on any CPU). Referenced on sampled
+// queries only (both sides of the tile boundaries and the ragged last tile); one thread, so the
+// tall tiles are kept.
+TEST_P(Int8EveryIsa, AccurateWithStreamedKeyValues) {
+  const std::string fp32_kernel =
+      kernel_variant(GetParam()).forward_kernel[static_cast<int>(ElementType::kFloat32)];
+  if (fp32_kernel.find("avx") == std::string::npos)
+    GTEST_SKIP() << "the " << fp32_kernel
+                 << " kernel keeps 64-query tiles (256-bit and wider vectors only)";
+  const Case c{1, 2, 1, 257, 8200, 512, 512};  // K and V: 8200 x 1024 floats, 33.6 MB
+  const std::vector<int64_t> sampled = {0, 63, 64, 127, 128, 255, 256};
+  for (int64_t l2_bytes : {int64_t{2} << 20, int64_t{256} << 10}) {
+    SCOPED_TRACE("planned for an L2 of " + std::to_string(l2_bytes) + " bytes");
+    PlanningL2 l2(l2_bytes);
+    Problem pr;
+    build(c, pr, 3);
+    make_diffusion_like(c, pr, 3);
+    pr.args.num_threads = 1;
+    run_attention_int8(make_attention_params(pr.args), GetParam());
+    const Problem sub = reference_for_sampled_queries(c, pr, sampled);
+    FloatTensor out({1, c.heads_q, int64_t(sampled.size()), c.head_dim_v});
+    for (int64_t h = 0; h < c.heads_q; ++h)
+      for (size_t i = 0; i < sampled.size(); ++i)
+        for (int64_t d = 0; d < c.head_dim_v; ++d)
+          out.at({0, h, int64_t(i), d}) = pr.out.at({0, h, sampled[i], d});
+    const Accuracy a = compare(out, sub.ref_out);
+    EXPECT_GE(a.cosine, kMinCosine);
+    EXPECT_LE(a.relative_l1, kMaxRelativeL1);
+  }
+}
+
 TEST_P(Int8EveryIsa, AccurateOnGaussianInputs) {
   for (int64_t d : {40, 64, 160})
     expect_accurate({2, 2, 2, 200, 700, d, d}, GetParam(), false, kMinCosine, kMaxRelativeL1);
