@@ -95,11 +95,19 @@ def test_int8_rows_the_exact_kernel_serves_are_marked(monkeypatch):
     from npu_attn.runtime import variant_choice
     from npu_attn.tools.bench import Case, int8_runs_exact_kernel
 
-    # As measured on Sapphire Rapids: the exact bfloat16 kernel (AMX) is faster than int8.
-    monkeypatch.setattr(variant_choice, "int8_pays", lambda dtype: dtype != "bfloat16")
+    # As measured on Sapphire Rapids: the exact bfloat16 kernel (AMX) is faster than int8;
+    # float32's int8 kernel from 256 tokens (Zen 3), float16's from 512.
+    min_tokens = {"bfloat16": None, "float32": 256, "float16": 512}
+    monkeypatch.setattr(
+        variant_choice,
+        "int8_min_scores",
+        lambda dtype: None if min_tokens[dtype] is None else min_tokens[dtype] ** 2,
+    )
     short, long = Case("8x8", 2, 8, 64, 64, 160), Case("16x16", 2, 8, 256, 256, 160)
     assert int8_runs_exact_kernel(short) and not int8_runs_exact_kernel(long)
     assert int8_runs_exact_kernel(Case("16x16", 2, 8, 256, 256, 160, dtype="bfloat16"))
+    assert int8_runs_exact_kernel(Case("16x16", 2, 8, 256, 256, 160, dtype="float16"))
+    assert not int8_runs_exact_kernel(Case("32x32", 2, 8, 1024, 1024, 80, dtype="float16"))
     assert bench_report._int8_error({"int8_relative_l1": 5e-7, "int8_runs_exact_kernel": True}) == (
         "5.0e-07 (exact kernel)"
     )

@@ -56,7 +56,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.delenv("NPU_ATTN_STRATEGY", raising=False)
     # These tests are about the int8 kernel: it runs in every dtype here, also where this CPU's
     # exact kernel measured faster and the strategy would run that one (tested on its own below).
-    monkeypatch.setattr(variant_choice, "int8_pays", lambda dtype: True)
+    monkeypatch.setattr(variant_choice, "int8_min_scores", lambda dtype: 0)
     npu_attn.reset_attention_strategy(None)
     strategies.reset_call_counts()
     yield
@@ -129,7 +129,7 @@ def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(tmp_pa
         monkeypatch.delenv(name, raising=False)
     timings = {"bfloat16": {"int8": 2.0, "exact": 1.0}, "float32": {"int8": 1.0, "exact": 2.0}}
 
-    def measured(dtype):
+    def measured(dtype, shape=variant_choice.INT8_COMPARISON_SHAPE):
         return timings[dtype]
 
     monkeypatch.setattr(variant_choice, "measure_int8_against_exact", measured)
@@ -152,9 +152,56 @@ def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(tmp_pa
     variant_choice.forget()
     assert variant_choice.tune_int8_pays("bfloat16") == {
         "pays": True,
+        "min_tokens": variant_choice.INT8_SHORT_LENGTHS[0],
         "source": "rule (NPU_ATTN_TUNE=0)",
     }
     variant_choice.forget()
+
+
+def test_calls_shorter_than_the_measured_break_even_run_the_exact_kernel(tmp_path, monkeypatch):
+    """Where int8 measured slower than the exact kernel at 256 tokens and faster from 512 (as on
+    Sapphire Rapids with AVX-512 hidden; on Zen 3 it was faster from 256), a 256-token call
+    runs the exact kernel and a 512-token one the int8 kernel."""
+    monkeypatch.undo()
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "break-even"))
+    for name in ("NPU_ATTN_ISA", "NPU_ATTN_TUNE", "NPU_ATTN_STRATEGY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def measured(dtype, shape=variant_choice.INT8_COMPARISON_SHAPE):
+        length = shape[2]
+        return {"int8": 1.0, "exact": 0.9 if length <= 256 else 1.2}
+
+    monkeypatch.setattr(variant_choice, "measure_int8_against_exact", measured)
+    variant_choice.forget()
+    decision = variant_choice.tune_int8_pays("float32")
+    assert decision["pays"] and decision["min_tokens"] == 512
+    assert set(decision["short_ms"]) == {str(n) for n in variant_choice.INT8_SHORT_LENGTHS}
+    strategies.reset_call_counts()
+    q, k, v = diffusion_like(256, 256, 160)  # SD-1.5 16x16
+    assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts() == {"int8->tiled": 1, "tiled": 1}
+    q, k, v = diffusion_like(512, 512, 64)
+    sdpa(q, k, v, backend="int8")
+    assert npu_attn.call_counts()["int8"] == 1
+    variant_choice.forget()
+
+
+@pytest.mark.parametrize(
+    "short, expected",
+    [
+        ({256: (1.0, 2.0), 512: (1.0, 2.0), 1024: (1.0, 2.0)}, 256),  # faster everywhere
+        ({256: (2.0, 1.0), 512: (1.0, 2.0), 1024: (1.0, 2.0)}, 512),
+        # A short win below a loss is taken for noise: the exact kernel up to the loss.
+        ({256: (1.0, 2.0), 512: (2.0, 1.0), 1024: (1.0, 2.0)}, 1024),
+        ({256: (2.0, 1.0), 512: (2.0, 1.0), 1024: (2.0, 1.0)}, 2048),  # only the long shape
+    ],
+)
+def test_the_break_even_is_the_shortest_length_int8_won_from(short, expected):
+    short_ms = {n: {"int8": i, "exact": e} for n, (i, e) in short.items()}
+    decision = variant_choice.decide_int8({"int8": 1.0, "exact": 2.0}, short_ms)
+    assert decision == {"pays": True, "min_tokens": expected}
+    lost_long = variant_choice.decide_int8({"int8": 2.0, "exact": 1.0}, short_ms)
+    assert lost_long == {"pays": False, "min_tokens": None}
 
 
 def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch):
@@ -164,6 +211,10 @@ def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch):
     ms = decision["ms"]
     assert set(ms) == {"int8", "exact"} and min(ms.values()) > 0
     assert decision["pays"] == (ms["int8"] < ms["exact"])
+    short = {int(n): t for n, t in decision["short_ms"].items()}
+    assert sorted(short) == list(variant_choice.INT8_SHORT_LENGTHS)
+    expected = variant_choice.decide_int8(ms, short)
+    assert (decision["pays"], decision["min_tokens"]) == (expected["pays"], expected["min_tokens"])
     assert decision["kernels"]["int8"] in npu_attn.runtime.available_isas()
     variant_choice.forget()
 

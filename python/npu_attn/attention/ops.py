@@ -164,9 +164,11 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 # --------------------------------------------------------------------------- int8 forward
 # Below this many scores per (batch, head) the int8 kernel's quantizing passes (channel
-# factors, K and V codes, Q codes) cost more than its integer products save, and the exact
-# kernel is faster: on Zen 3 (2 threads, head dims 64 and 160) int8 ran at 0.59-0.70x the exact
-# kernel's speed at 48-64 tokens, 0.76-0.89x at 96-128, 0.95-1.00x at 192, 1.01-1.06x at 256.
+# factors, K and V codes, Q codes) cost more than its integer products save on every CPU
+# measured, and the exact kernel is faster: on Zen 3 (2 threads, head dims 64 and 160) int8 ran
+# at 0.59-0.70x the exact kernel's speed at 48-64 tokens, 0.76-0.89x at 96-128, 0.95-1.00x at
+# 192, 1.01-1.06x at 256. Where the break-even is longer (Sapphire Rapids with AVX-512 hidden:
+# 384-512 tokens), the measured ``variant_choice.int8_min_scores`` raises it.
 INT8_MIN_SCORES = 256 * 256
 # ...and with fewer keys than this (cross-attention to 77 text tokens) the softmax and the
 # per-query passes dominate: on Zen 3 (2 threads, 4096 queries) int8 ran at 0.99-1.01x the exact
@@ -177,12 +179,17 @@ INT8_MIN_KEYS = 128
 
 def int8_runs_exact_kernel(len_q: int, len_k: int, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether an int8 call with ``len_q`` queries and ``len_k`` keys per head runs the exact
-    kernel instead: too small to gain from quantizing (``INT8_MIN_SCORES``, ``INT8_MIN_KEYS``),
-    or, given its input ``dtype``, a dtype whose exact kernel measured faster than the int8
-    kernel on this CPU (``variant_choice.int8_pays``: bfloat16 on AMX)."""
-    if len_q * len_k < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS:
+    kernel instead: too small to gain from quantizing on any CPU (``INT8_MIN_SCORES``,
+    ``INT8_MIN_KEYS``), or, given its input ``dtype``, shorter than the length from which the
+    int8 kernel measured faster than the exact one on this CPU, or in a dtype whose exact kernel
+    measured faster at every length (``variant_choice.int8_min_scores``: bfloat16 on AMX)."""
+    scores = len_q * len_k
+    if scores < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS:
         return True
-    return dtype is not None and not variant_choice.int8_pays(str(dtype).removeprefix("torch."))
+    if dtype is None:
+        return False
+    min_scores = variant_choice.int8_min_scores(str(dtype).removeprefix("torch."))
+    return min_scores is None or scores < min_scores
 
 
 def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):

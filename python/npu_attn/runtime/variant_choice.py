@@ -24,13 +24,17 @@ dtype: its candidates are the variants with different int8 kernels (``int8_kerne
 variant table), measured on the self-attention shape in float32 on its first call and cached
 under the key ``"int8"``.
 
-Whether the int8 kernel pays at all is measured too, per dtype, on its first int8 call: the
-int8 kernel against the exact kernel the dtype runs (:func:`int8_pays`), on a longer
-self-attention shape (``INT8_COMPARISON_SHAPE``, where quantizing gains most). Where the exact
-kernel is the faster of the two (bfloat16 on an AMX CPU, whose exact kernel runs both products
-on bfloat16 tiles with the softmax pipelined between them: the int8 kernel ran at 0.44-0.58x its
-speed on Sapphire Rapids), the ``int8`` strategy runs the exact kernel for that dtype: faster
-and exact. Cached under ``"int8 pays <dtype>"``.
+Whether the int8 kernel pays, and from which length, is measured too, per dtype, on its first
+int8 call: the int8 kernel against the exact kernel the dtype runs (:func:`tune_int8_pays`),
+on a longer self-attention shape (``INT8_COMPARISON_SHAPE``, where quantizing gains most) and
+on shorter ones (``INT8_SHORT_LENGTHS``), where its per-token passes weigh more. Where the exact
+kernel is the faster of the two on the long shape (bfloat16 on an AMX CPU, whose exact kernel
+runs both products on bfloat16 tiles with the softmax pipelined between them: the int8 kernel
+ran at 0.44-0.58x its speed on Sapphire Rapids), the ``int8`` strategy runs the exact kernel for
+that dtype: faster and exact. Otherwise it runs the int8 kernel on calls from the shortest
+measured length on which int8 won, and on every longer one (:func:`int8_min_scores`): the
+break-even differs between CPU classes (Zen 3: 192-256 tokens; Sapphire Rapids with AVX-512
+hidden: 384-512). Cached under ``"int8 pays <dtype>"``.
 
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
@@ -69,6 +73,12 @@ REPRESENTATIVE_SHAPES = {
 # where it can (Zen 3: int8 1.03x tiled at 1024 tokens, 1.07x at 2304), ~30 ms per call at one
 # thread on an AVX2 core.
 INT8_COMPARISON_SHAPE = (1, 2, 2048, 2048, 64)
+# Shorter self-attention lengths (batch 1, INT8_SHORT_HEADS heads, the same head dim) for the
+# shortest call the int8 kernel runs: the first is the shortest any CPU runs it on
+# (ops.INT8_MIN_SCORES). With AVX-512 hidden on Sapphire Rapids (2 threads, head dim 64) int8
+# ran at 0.87-0.95x the exact kernel's speed at 256 tokens, 0.99-1.03x at 512, 1.06-1.07x at 1024.
+INT8_SHORT_LENGTHS = (256, 512, 1024)
+INT8_SHORT_HEADS = 4
 # The backward's shapes: the common head dim and Flux's; one overall choice (no shape classes).
 BACKWARD_DTYPES = ("bfloat16",)
 BACKWARD_SHAPES = {
@@ -432,7 +442,7 @@ def tune_backward(dtype: str, force: bool = False) -> dict[str, Any]:
 
 
 _decided_int8: dict[str, Any] = {}
-_decided_int8_pays: dict[str, dict] = {}  # dtype -> {"pays": bool, "source": ..., "ms": ...}
+_decided_int8_pays: dict[str, dict] = {}  # dtype -> {"pays", "min_tokens", "source", ...}
 
 
 def tune_int8(force: bool = False) -> dict[str, Any]:
@@ -474,10 +484,13 @@ def ensure_int8() -> None:
         tune_int8()
 
 
-def measure_int8_against_exact(dtype: str, repeats: int = REPEATS) -> dict[str, float]:
+def measure_int8_against_exact(
+    dtype: str, shape: tuple = INT8_COMPARISON_SHAPE, repeats: int = REPEATS
+) -> dict[str, float]:
     """CPU milliseconds of the chosen int8 kernel (``"int8"``) and of ``dtype``'s exact kernel
-    (``"exact"``) on ``INT8_COMPARISON_SHAPE``, measured like :func:`measure`."""
-    (q, k, v), out, keep = _inputs(dtype, INT8_COMPARISON_SHAPE)
+    (``"exact"``) on ``shape`` (batch, heads, len_q, len_k, head_dim), measured like
+    :func:`measure`."""
+    (q, k, v), out, keep = _inputs(dtype, shape)
 
     def run(name):
         start = time.thread_time()
@@ -492,10 +505,31 @@ def measure_int8_against_exact(dtype: str, repeats: int = REPEATS) -> dict[str, 
     return ms
 
 
+def _short_shape(length: int) -> tuple:
+    return (1, INT8_SHORT_HEADS, length, length, INT8_COMPARISON_SHAPE[-1])
+
+
+def decide_int8(long_ms: dict[str, float], short_ms: dict[int, dict[str, float]]) -> dict:
+    """``pays``: the int8 kernel was faster on the long shape; ``min_tokens``: the shortest
+    measured length from which it was faster on every longer one measured (None where it does
+    not pay). A length it lost on keeps every shorter one on the exact kernel, even one it won
+    by noise."""
+    if long_ms["int8"] >= long_ms["exact"]:
+        return {"pays": False, "min_tokens": None}
+    min_tokens = INT8_COMPARISON_SHAPE[2]
+    for length in sorted(short_ms, reverse=True):
+        if short_ms[length]["int8"] >= short_ms[length]["exact"]:
+            break
+        min_tokens = length
+    return {"pays": True, "min_tokens": min_tokens}
+
+
 def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
-    """Decide whether the int8 strategy runs the int8 kernel for ``dtype`` (``pays``) or the
-    exact one, faster on this CPU: measured unless cached; with a pinned variant
-    (``NPU_ATTN_ISA``, ``set_isa``) or ``NPU_ATTN_TUNE=0``, always the int8 kernel."""
+    """Decide whether the int8 strategy runs the int8 kernel for ``dtype`` (``pays``), and
+    from how many tokens (``min_tokens``: calls with fewer than its square of scores per head
+    run the exact kernel), or only the exact one, faster on this CPU: measured unless cached;
+    with a pinned variant (``NPU_ATTN_ISA``, ``set_isa``) or ``NPU_ATTN_TUNE=0``, the int8
+    kernel from the shortest measured length."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not force and dtype in _decided_int8_pays:
@@ -504,15 +538,22 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
         # Both kernels chosen under the same hold, so a concurrent pin() or forget() cannot
         # empty a decision between choosing it and reading it.
         kernels = {"int8": tune_int8()["choice"], "exact": tune(dtype)["choice"]["self-attention"]}
-        fixed = {"pays": True, "source": "pinned variant: int8 kernel"} if _pin() else None
+        always = {"pays": True, "min_tokens": INT8_SHORT_LENGTHS[0]}
+        fixed = dict(always, source="pinned variant: int8 kernel") if _pin() else None
 
         def measured() -> dict[str, Any]:
             ms = measure_int8_against_exact(dtype)
-            entry = {"pays": ms["int8"] < ms["exact"], "kernels": kernels, "ms": ms}
+            short = {
+                n: measure_int8_against_exact(dtype, _short_shape(n)) for n in INT8_SHORT_LENGTHS
+            }
+            entry = dict(decide_int8(ms, short), kernels=kernels, ms=ms)
+            entry["short_ms"] = {str(n): t for n, t in short.items()}  # JSON keys
             logger.info(
                 "npu_attn: int8 on %s measured against the exact kernel: %s (%s)",
                 dtype,
-                "int8 kernel" if entry["pays"] else "exact kernel, faster here",
+                f"int8 kernel from {entry['min_tokens']} tokens"
+                if entry["pays"]
+                else "exact kernel, faster here",
                 format_timings(ms),
             )
             return entry
@@ -521,9 +562,10 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
             f"int8 pays {dtype}",
             force,
             fixed,
-            rule=lambda: {"pays": True, "source": "rule (NPU_ATTN_TUNE=0)"},
-            # The two kernels compared: a cached answer holds only while both are still chosen.
-            still_valid=lambda cached: cached.get("kernels") == kernels,
+            rule=lambda: dict(always, source="rule (NPU_ATTN_TUNE=0)"),
+            # The two kernels compared: a cached answer holds only while both are still chosen
+            # (and it says from which length; entries from before that are measured again).
+            still_valid=lambda cached: cached.get("kernels") == kernels and "min_tokens" in cached,
             measure=measured,
         )
         _decided_int8_pays[dtype] = entry
@@ -531,9 +573,16 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
 
 
 def int8_pays(dtype: str) -> bool:
-    """Whether int8 calls in ``dtype`` run the int8 kernel on this CPU (:func:`tune_int8_pays`;
-    measured on the first call)."""
+    """Whether int8 calls in ``dtype`` run the int8 kernel at all on this CPU
+    (:func:`tune_int8_pays`; measured on the first call)."""
     return tune_int8_pays(dtype)["pays"]
+
+
+def int8_min_scores(dtype: str) -> Optional[int]:
+    """Scores per (batch, head) from which int8 calls in ``dtype`` run the int8 kernel on this
+    CPU (None: never, the exact kernel is faster); :func:`tune_int8_pays`."""
+    decision = tune_int8_pays(dtype)
+    return decision["min_tokens"] ** 2 if decision["pays"] else None
 
 
 def ensure(dtype: str, backward: bool = False) -> None:

@@ -207,8 +207,9 @@ def markdown(report: dict) -> str:
             "SDPA on the benchmark's Gaussian inputs (the accuracy on diffusion-like "
             "activations is in docs/int8-attention.md); rows marked \"exact kernel\" are too "
             "small to gain from quantizing (too few scores per head, or fewer than 128 keys), "
-            "or in a dtype whose exact kernel measured faster than the int8 kernel on this CPU "
-            "(`doctor` shows that choice), and int8 runs the exact kernel there.",
+            "shorter than the length from which the int8 kernel measured faster on this CPU, "
+            "or in a dtype whose exact kernel measured faster at every length (`doctor` shows "
+            "those choices), and int8 runs the exact kernel there.",
         ]
     return "\n".join(lines)
 
