@@ -100,6 +100,15 @@ def test_the_step_benchmark_takes_unets_only(capsys):
     assert "use --images for tiny-flux" in capsys.readouterr().err
 
 
+def test_a_per_image_configuration_in_step_mode_is_refused_with_the_step_labels(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--model", "tiny", "--configs", "DeepCache"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--configs: 'deepcache' matches no configuration" in err
+    assert "compiled tiled" in err and "need --images" in err
+
+
 @pytest.mark.parametrize("model", ["sdx", "sd-xl", "flux-dev", "sd35"])
 def test_unknown_model_is_refused_with_the_choices(model, capsys):
     with pytest.raises(SystemExit) as exit_info:

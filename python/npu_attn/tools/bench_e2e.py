@@ -871,8 +871,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             if unavailable_reason() is not None:
                 print(f"error: --sdcpp: {unavailable_reason()}", file=sys.stderr)
                 return 2
-    elif args.sdcpp is not None:
-        parser.error("--sdcpp compares whole images: use it with --images")
+    else:
+        if args.sdcpp is not None:
+            parser.error("--sdcpp compares whole images: use it with --images")
+        if args.configs:  # the per-step competitors' labels, not the per-image ones
+            try:
+                select_step_competitors(args.configs)
+            except ValueError as e:
+                parser.error(f"{e}; per-image configurations need --images")
     if args.images is not None:
         try:
             report = run_images(args)
