@@ -60,8 +60,9 @@ constexpr int64_t kMaxQueryTile = 64;
 // and O^T tiles take 512 KiB at head dim 512, all of a Zen 3 core's L2 (never measured there),
 // while on Sapphire Rapids with AVX-512 hidden (2 MiB L2, like recent Intel client P-cores)
 // the VAE mid-block at 1024px took 0.92x the time (bfloat16 inputs 0.91x, the int8 kernel
-// 0.95x; outputs bit-identical); a threshold of 8 MiB there made 512px 4% slower.
-// Not with 128-bit vectors (never measured).
+// 0.95x; outputs bit-identical); a threshold of 8 MiB there made 512px 4% slower. 256-query
+// tiles at 1024px: 0.98x with avx2, 1.01x with avx512, not kept. Not with 128-bit vectors
+// (never measured).
 constexpr int64_t kStreamedQueryTile = 128;
 constexpr int64_t kStreamedKvBytes = int64_t{32} << 20;
 constexpr int64_t kStreamedTileMinL2 = int64_t{1} << 20;
