@@ -98,12 +98,14 @@ def ab_case(
     repeats: int,
     backward: bool = False,
     int8: bool = False,
+    layout: str = "bhsd",
 ) -> tuple[float, float, float]:
     """Median seconds of build A and B (variants ``isas``) on one case, and the max |A - B| of
-    their outputs."""
+    their outputs. ``layout`` "bshd": q, k, v (and so the outputs) are (B, L, H, D) storage
+    viewed as (B, H, L, D), as diffusers' attention processors pass them."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
-        torch.randn(case.batch, case.heads, n, case.head_dim, generator=gen).to(dtype)
+        make_tensor(case.batch, case.heads, n, case.head_dim, layout, gen).to(dtype)
         for n in (case.len_q, case.len_k, case.len_k)
     )
     runners = [
@@ -117,6 +119,14 @@ def ab_case(
             times[i].append(time_once(run))
     diff = (runners[0][1]() - runners[1][1]()).abs().max().item()
     return statistics.median(times[0]), statistics.median(times[1]), diff
+
+
+def make_tensor(batch: int, heads: int, length: int, dim: int, layout: str, gen) -> torch.Tensor:
+    """A (batch, heads, length, dim) Gaussian tensor stored as ``layout`` ("bhsd" contiguous;
+    "bshd" a transposed view of (batch, length, heads, dim))."""
+    if layout == "bshd":
+        return torch.randn(batch, length, heads, dim, generator=gen).transpose(1, 2)
+    return torch.randn(batch, heads, length, dim, generator=gen)
 
 
 def selected_cases(filter_text: str) -> list:
@@ -136,6 +146,13 @@ def main(argv=None) -> int:
         help="only model shapes whose name contains one of these comma-separated texts",
     )
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--layout",
+        choices=("bhsd", "bshd"),
+        default="bhsd",
+        help="bhsd: contiguous (B, H, L, D) tensors (as `bench` times); bshd: (B, L, H, D) "
+        "storage viewed as (B, H, L, D), as diffusers' attention processors pass them",
+    )
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument(
         "--isa",
@@ -171,7 +188,10 @@ def main(argv=None) -> int:
     info = {"cpu": cpu_model(builds[1])}
     kind = "backward" if args.backward else "int8 forward" if args.int8 else "forward"
     print(f"# A/B ({kind}): {args.a} vs {args.b}")
-    print(f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}")
+    print(
+        f"# CPU: {info['cpu']}; {args.threads} threads; median of {args.repeats}; "
+        f"layout {args.layout}"
+    )
     print("| shape | dtype | variant (A / B) | A ms | B ms | B/A | max abs diff |")
     print("|---|---|---|---:|---:|---:|---:|")
     ratios: dict[str, list[float]] = {}
@@ -189,6 +209,7 @@ def main(argv=None) -> int:
                 args.repeats,
                 args.backward,
                 args.int8,
+                args.layout,
             )
             ratios.setdefault(dtype_name, []).append(b / a)
             variant = isa_b if isas[0] == isa_b else f"{isas[0]} / {isa_b}"
