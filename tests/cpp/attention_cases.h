@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "dispatch.h"
 #include "reference.h"
 #include "system_info.h"
 #include "test_support.h"
@@ -120,6 +121,15 @@ inline void build(const Case& c, Problem& pr, uint32_t seed) {
   pr.args.enable_gqa = c.heads_q != c.heads_kv;
   pr.args.num_threads = 2;
   build_mask(c, pr, seed + 3);
+}
+
+// Why `isa` never runs the taller query tiles of streamed K/V (kStreamedQueryTile: vectors of
+// 256 bits and wider only), or "" if it can: its float32 kernel's name says its vector width.
+inline std::string no_streamed_tiles_reason(Isa isa) {
+  const std::string fp32_kernel =
+      kernel_variant(isa).forward_kernel[static_cast<int>(ElementType::kFloat32)];
+  if (fp32_kernel.find("avx") != std::string::npos) return "";
+  return "the " + fp32_kernel + " kernel keeps 64-query tiles (256-bit and wider vectors only)";
 }
 
 // Sets the L2 size the kernels' tile plans assume (planning_l2_bytes), for one scope.

@@ -109,11 +109,8 @@ void expect_streamed_key_values_match(Isa isa) {
 // Planned for a 2 MiB L2 and for a 256 KiB one, whatever this CPU has, so both tile heights
 // run with 256-bit vectors.
 TEST_P(EveryIsa, StreamedKeyValuesMatchTheReferenceOnSampledQueries) {
-  const std::string fp32_kernel =
-      kernel_variant(GetParam()).forward_kernel[static_cast<int>(ElementType::kFloat32)];
-  if (fp32_kernel.find("avx") == std::string::npos)
-    GTEST_SKIP() << "the " << fp32_kernel
-                 << " kernel keeps 64-query tiles (256-bit and wider vectors only)";
+  const std::string skip = no_streamed_tiles_reason(GetParam());
+  if (!skip.empty()) GTEST_SKIP() << skip;
   for (int64_t l2_bytes : {int64_t{2} << 20, int64_t{256} << 10}) {
     SCOPED_TRACE("planned for an L2 of " + std::to_string(l2_bytes) + " bytes");
     PlanningL2 l2(l2_bytes);

@@ -115,11 +115,8 @@ TEST_P(Int8EveryIsa, AccurateOnDiffusionLikeActivations) {
 // queries only (both sides of the tile boundaries and the ragged last tile); one thread, so the
 // tall tiles are kept.
 TEST_P(Int8EveryIsa, AccurateWithStreamedKeyValues) {
-  const std::string fp32_kernel =
-      kernel_variant(GetParam()).forward_kernel[static_cast<int>(ElementType::kFloat32)];
-  if (fp32_kernel.find("avx") == std::string::npos)
-    GTEST_SKIP() << "the " << fp32_kernel
-                 << " kernel keeps 64-query tiles (256-bit and wider vectors only)";
+  const std::string skip = no_streamed_tiles_reason(GetParam());
+  if (!skip.empty()) GTEST_SKIP() << skip;
   const Case c{1, 2, 1, 257, 8200, 512, 512};  // K and V: 8200 x 1024 floats, 33.6 MB
   const std::vector<int64_t> sampled = {0, 63, 64, 127, 128, 255, 256};
   for (int64_t l2_bytes : {int64_t{2} << 20, int64_t{256} << 10}) {
