@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import types
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from npu_attn.tools.bench_e2e import (
     GRAPH_IMAGE_CONFIGS,
     IMAGE_CONFIGS,
+    INDUCTOR_MODULE_PREFIX,
     TRANSFORMER_IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,
@@ -256,6 +258,10 @@ def test_graph_mode_images_run_on_compiled_copies_and_leave_the_pipeline_eager(t
     assert psnr["compiled tiled (frozen)"] > 60, psnr  # exact: float rounding only
     assert all(psnr[n] > 10 for n in graph_labels), psnr
     assert "Graph mode, compile + warm-up image" in images_markdown(report)
+    # Each configuration's frozen constants were freed with it (inductor's generated modules
+    # would keep them): none is left in a generated module after the run.
+    generated = [m for n, m in sys.modules.items() if n.startswith(INDUCTOR_MODULE_PREFIX)]
+    assert not [a for m in generated for a, v in vars(m).items() if isinstance(v, torch.Tensor)]
 
 
 def test_configurations_are_selected_by_label():
