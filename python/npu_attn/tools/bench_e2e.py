@@ -568,6 +568,8 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
 
     import torch
 
+    from ..runtime.controls import release_cpu_memory
+
     setup_seconds = {}
     if not configs:
         return setup_seconds
@@ -583,6 +585,9 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
         torch._dynamo.reset()  # its graphs go with it (and count against no recompile limit)
         release_frozen_constants()
         gc.collect()
+        # What the configuration freed stays in glibc's heap as free chunks (1-2.2 GB per
+        # float32 SD-1.5 configuration, measured): returned to the OS before the next compiles.
+        release_cpu_memory()
     return setup_seconds
 
 
