@@ -16,10 +16,10 @@ import types
 import pytest
 import torch
 
+from npu_attn.graph.mode import INDUCTOR_MODULE_PREFIX
 from npu_attn.tools.bench_e2e import (
     GRAPH_IMAGE_CONFIGS,
     IMAGE_CONFIGS,
-    INDUCTOR_MODULE_PREFIX,
     TRANSFORMER_IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,

@@ -564,11 +564,7 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
     """Compiles, warms up and times (``timed(target, label)``, `repeats` times) each graph-mode
     configuration in turn on a compiled copy of ``pipe``, released before the next; returns
     their compile + warm-up seconds."""
-    import gc
-
-    import torch
-
-    from ..runtime.controls import release_cpu_memory
+    from ..graph.mode import release_compiled_graphs
 
     setup_seconds = {}
     if not configs:
@@ -582,42 +578,10 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
         for _ in range(repeats):
             timed(twin, label)
         del twin
-        torch._dynamo.reset()  # its graphs go with it (and count against no recompile limit)
-        release_frozen_constants()
-        gc.collect()
-        # What the configuration freed stays in glibc's heap as free chunks (1-2.2 GB per
-        # float32 SD-1.5 configuration, measured): returned to the OS before the next compiles.
-        release_cpu_memory()
+        # Its graphs and their frozen weights go with it (~6.7 GB for float32 SD-1.5 otherwise
+        # kept by inductor), and count against no recompile limit.
+        release_compiled_graphs()
     return setup_seconds
-
-
-# Where inductor loads the Python module of each graph it generates (its output code).
-INDUCTOR_MODULE_PREFIX = "torch._inductor.runtime.compile_tasks."
-
-
-def release_frozen_constants() -> int:
-    """Frees the constants of the graphs inductor has generated so far, once nothing runs them
-    any more (after ``torch._dynamo.reset()``); returns how many modules were dropped.
-
-    A frozen graph's weights (oneDNN-packed linears, Winograd-transformed convolutions) are
-    attributes of its generated module, which inductor keeps in ``sys.modules`` and its
-    module cache after the graph, its module and dynamo's caches are gone: a float32 SD-1.5
-    configuration kept ~6.7 GB that way (measured on Sapphire Rapids), so three graph-mode
-    configurations ran out of 24 GiB. Dropping the modules and their tensors returned ~5 GB of
-    it per configuration; the next compile loads its modules afresh. Only for the benchmark,
-    where every compiled graph is released at this point: a library call cannot know which
-    generated modules other compiled models still run."""
-    import torch
-    from torch._inductor.codecache import PyCodeCache
-
-    names = [n for n in list(sys.modules) if n.startswith(INDUCTOR_MODULE_PREFIX)]
-    for name in names:
-        module = sys.modules.pop(name)
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor):
-                delattr(module, attr)
-    PyCodeCache.cache_clear()
-    return len(names)
 
 
 def sdcpp_runners(pipe, model: str, weight_types, threads: int, stack) -> list:
