@@ -5,11 +5,13 @@ set one."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch._inductor import config as inductor_config
 
 import npu_attn
+from npu_attn.graph.mode import INDUCTOR_MODULE_PREFIX
 
 
 @contextlib.contextmanager
@@ -32,3 +34,15 @@ def frozen_and_eager(model, x, **options):
     with torch.no_grad():
         eager = model(x)
     return compiled, eager
+
+
+def tensors_kept_by_generated_code() -> list[str]:
+    """The tensors (module.attribute) inductor's generated modules still hold: a frozen graph's
+    weights stay there after its compiled model is gone, unless released."""
+    return [
+        f"{name}.{attr}"
+        for name, module in list(sys.modules.items())
+        if name.startswith(INDUCTOR_MODULE_PREFIX)
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    ]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import types
 
 import pytest
 import torch
 
-from npu_attn.graph.mode import INDUCTOR_MODULE_PREFIX
+from frozen_helpers import tensors_kept_by_generated_code
 from npu_attn.tools.bench_e2e import (
     GRAPH_IMAGE_CONFIGS,
     IMAGE_CONFIGS,
@@ -260,8 +259,7 @@ def test_graph_mode_images_run_on_compiled_copies_and_leave_the_pipeline_eager(t
     assert "Graph mode, compile + warm-up image" in images_markdown(report)
     # Each configuration's frozen constants were freed with it (inductor's generated modules
     # would keep them): none is left in a generated module after the run.
-    generated = [m for n, m in sys.modules.items() if n.startswith(INDUCTOR_MODULE_PREFIX)]
-    assert not [a for m in generated for a, v in vars(m).items() if isinstance(v, torch.Tensor)]
+    assert not tensors_kept_by_generated_code()
 
 
 def test_configurations_are_selected_by_label():

@@ -25,9 +25,9 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import npu_attn
+from frozen_helpers import tensors_kept_by_generated_code
 from npu_attn.accel.base import ModelFamilyError
 from npu_attn.accel.registry import acceleration_of, check_acceleration
-from npu_attn.graph.mode import INDUCTOR_MODULE_PREFIX
 from npu_attn.tools import studio as studio_module
 from npu_attn.tools import ui
 from npu_attn.tools.pipelines import (
@@ -196,7 +196,6 @@ def test_a_local_diffusers_folder_generates(client, tmp_path):
 def test_a_local_folder_loads_in_the_requested_dtype(tmp_path, monkeypatch):
     """The weights are read in the request's dtype (not loaded as float32 and cast, which holds
     both copies at once)."""
-
     build_pipeline("tiny").save_pretrained(tmp_path)  # float32 weights on disk
     pipe = load_pipeline(tmp_path, torch_dtype=torch.bfloat16)
     assert pipe.unet.dtype == torch.bfloat16 and pipe.vae.dtype == torch.bfloat16
@@ -394,14 +393,12 @@ def test_graph_mode_applies_for_the_generation_only(mode):
     assert compiled_components(studio.pipeline(request)) == {}  # eager afterwards
     # Inductor's generated code keeps no frozen weights after the request (a float32 SD-1.5
     # request would leave ~6.7 GB there otherwise).
-    generated = [m for n, m in sys.modules.items() if n.startswith(INDUCTOR_MODULE_PREFIX)]
-    assert not [a for m in generated for a, v in vars(m).items() if isinstance(v, torch.Tensor)]
+    assert not tensors_kept_by_generated_code()
 
 
 def test_graph_mode_requests_release_their_compiled_code(monkeypatch):
     """Every compile request compiles afresh; its compiled code is dropped afterwards, so a
     long-running server never reaches dynamo's recompile limit (and silently runs eagerly)."""
-
     from npu_attn.tools.studio import configured
 
     resets = []
@@ -536,7 +533,6 @@ def test_float16_sdxl_estimates_its_float32_decode():
 def test_float16_pipelines_decode_in_the_dtype_the_estimate_assumes(model, decoder_dtype):
     """The real diffusers pipelines in float16, with our architectures' VAEs: SDXL's runs its
     decoder in float32, SD-1.5's in float16 (both VAEs set force_upcast)."""
-
     from npu_attn.tools.pipelines import (
         FAMILIES,
         build_pipeline,
