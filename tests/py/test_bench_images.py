@@ -15,16 +15,20 @@ import types
 import pytest
 import torch
 
+import npu_attn
 from frozen_helpers import tensors_kept_by_generated_code
+from npu_attn import _C
 from npu_attn.tools.bench_e2e import (
     GRAPH_IMAGE_CONFIGS,
     IMAGE_CONFIGS,
+    REUSE,
     TRANSFORMER_IMAGE_CONFIGS,
     ConfigurationError,
     build_unet,
     check_image_configs,
     image_configs,
     images_markdown,
+    is_graph_config,
     make_inputs,
     select_configs,
 )
@@ -250,16 +254,63 @@ def test_graph_mode_images_run_on_compiled_copies_and_leave_the_pipeline_eager(t
     argv += ["--size", "32", "--dtype", "float32", "--json", str(report_path)]
     assert main([*argv, "--configs", "frozen"]) == 0
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    graph_labels = [c[0] for c in GRAPH_IMAGE_CONFIGS]
+    graph_labels = [c[0] for c in image_configs("sdxl") if is_graph_config(c[2])]
     assert list(report["seconds_per_image"]) == [LABELS[0], *graph_labels]
-    assert set(report["compile_and_warm_up_seconds"]) == set(graph_labels)
+    # the heap-reuse rows run on their sibling's compiled copy: no compile of their own
+    compiled = [n for n in graph_labels if not n.endswith(REUSE)]
+    assert set(report["compile_and_warm_up_seconds"]) == set(compiled)
     psnr = report["psnr_db_vs_baseline"]
     assert psnr["compiled tiled (frozen)"] > 60, psnr  # exact: float rounding only
+    if _C.heap_reuse_supported():
+        assert psnr[f"compiled tiled (frozen){REUSE}"] > 60, psnr
     assert all(psnr[n] > 10 for n in graph_labels), psnr
+    assert not npu_attn.runtime.cpu_memory_reuse_enabled()  # back off after the reuse rows
     assert "Graph mode, compile + warm-up image" in images_markdown(report)
     # Each configuration's frozen constants were freed with it (inductor's generated modules
     # would keep them): none is left in a generated module after the run.
     assert not tensors_kept_by_generated_code()
+
+
+def test_heap_reuse_rows_share_their_siblings_copy_and_run_with_reuse(monkeypatch):
+    """Each ``+ heap reuse`` row is timed on the compiled copy of the row without it,
+    interleaved with that row, with reuse on after an untimed 1-step image (the heap filled as
+    the images before would fill it); every other graph row with reuse off."""
+    from npu_attn.graph import mode as graph_mode
+    from npu_attn.tools import bench_e2e
+
+    if not _C.heap_reuse_supported():
+        pytest.skip("the C heap is not glibc's in this process: no heap reuse rows")
+    prepared, warm_ups, timed = [], [], []
+
+    def prepare(pipe, strategy, options, embeds, size):
+        prepared.append(options)
+        return types.SimpleNamespace(options=options), 1.0
+
+    monkeypatch.setattr(bench_e2e, "prepare_graph_config", prepare)
+
+    def warm_up(twin, embeds, steps, size):
+        warm_ups.append(steps)
+
+    monkeypatch.setattr(bench_e2e, "timed_image", warm_up)
+    monkeypatch.setattr(graph_mode, "release_compiled_graphs", lambda: None)
+    record = lambda twin, label: timed.append((label, runtime_reuse()))  # noqa: E731
+    setup = bench_e2e.run_graph_configs(None, GRAPH_IMAGE_CONFIGS, {}, 32, 2, record)
+    groups = bench_e2e.graph_config_groups(GRAPH_IMAGE_CONFIGS)
+    assert len(prepared) == len(groups) == 3 and list(setup) == [g[0][0] for g in groups]
+    labels = [c[0] for c in GRAPH_IMAGE_CONFIGS]
+    expected = [labels[0], labels[1]] * 2 + [labels[2]] * 2 + [labels[3], labels[4]] * 2
+    assert [label for label, _ in timed] == expected
+    assert all(reuse == label.endswith(REUSE) for label, reuse in timed), timed
+    # one untimed image each time reuse is switched on, with the warm-up's steps (the graphs
+    # it compiled: a 1-step image took new ones with DeepCache and recompiled)
+    assert warm_ups == [bench_e2e.GRAPH_WARM_UP_STEPS] * 4
+    assert not runtime_reuse()
+
+
+def runtime_reuse() -> bool:
+    import npu_attn
+
+    return npu_attn.runtime.cpu_memory_reuse_enabled()
 
 
 def test_configurations_are_selected_by_label():

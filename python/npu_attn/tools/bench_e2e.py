@@ -30,22 +30,22 @@ next to the measured ones. ``--configs eager`` runs the eager rows alone (no com
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
 their combinations (IMAGE_CONFIGS; the transformer families SD3, Flux and HiDream take First
 Block Cache instead: TRANSFORMER_IMAGE_CONFIGS), and graph mode (``npu_attn.compile`` with
-``tiled`` and frozen weights, ``fullgraph=False``) alone and with the accelerations
-(GRAPH_IMAGE_CONFIGS), with each image's PSNR against the default's and the seconds per
-denoising step inside each image. Each graph-mode configuration runs on its own copy of the
-pipeline (sharing the weights), configured, compiled, timed and released after the eager
-rounds, one at a time: switching one pipeline between configurations would recompile at every
-switch, and two frozen copies of a full-size model need more memory than one. Its compile
-time is reported apart; its warm-up is an untimed image of up to 4 steps, so the graphs
-DeepCache's cached steps take are compiled too. ``--configs`` picks configurations by label
-(the baseline always runs). ``--sdcpp f32,q8_0+fa`` adds stable-diffusion.cpp, the CPU-native
-engine, loading the same SD-1.5 from a diffusers folder, interleaved with the eager rounds
-(:mod:`npu_attn.tools.sdcpp`: what it shares with the other rows and what it does not). The
-web UI's compare tab runs the same code (compare_images)
-without the graph-mode ones. ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE
-and Euler scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at
-1024x1024 by default; ``--size`` picks another size. ``--plot`` writes either report as a bar
-chart.
+``tiled`` and frozen weights, ``fullgraph=False``) alone and with the accelerations, the fastest
+exact and lossy recipes also with heap reuse (GRAPH_IMAGE_CONFIGS), with each image's PSNR
+against the default's and the seconds per denoising step inside each image. Each graph-mode
+configuration runs on its own copy of the pipeline (sharing the weights), configured, compiled,
+timed and released after the eager rounds, one at a time: switching one pipeline between
+configurations would recompile at every switch, and two frozen copies of a full-size model need
+more memory than one (a heap-reuse row shares the copy of the row without it, interleaved with
+it on that copy). Its compile time is reported apart; its warm-up is an untimed image of up to 4
+steps, so the graphs DeepCache's cached steps take are compiled too. ``--configs`` picks
+configurations by label (the baseline always runs). ``--sdcpp f32,q8_0+fa`` adds
+stable-diffusion.cpp, the CPU-native engine, loading the same SD-1.5 from a diffusers folder,
+interleaved with the eager rounds (:mod:`npu_attn.tools.sdcpp`: what it shares with the other
+rows and what it does not). The web UI's compare tab runs the same code (compare_images) without
+the graph-mode ones. ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and Euler
+scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at 1024x1024 by
+default; ``--size`` picks another size. ``--plot`` writes either report as a bar chart.
 """
 
 from __future__ import annotations
@@ -338,15 +338,26 @@ TRANSFORMER_IMAGE_CONFIGS = (
 # graph). The exact recipe (graph mode alone) and the lossy ones (with the caches and Token
 # Merging). Not with channels-last: a frozen graph lays out its convolution weights itself
 # (and channels-last converts weights in place, which the frozen copies share).
+# The options key HEAP_REUSE times the same compiled copy as the row without it, interleaved
+# with that row, with npu_attn.runtime.reuse_cpu_memory(True) (rows dropped where the C heap is
+# not glibc's): the fastest recipe's last exact switch.
 GRAPH = "graph_mode"
+HEAP_REUSE = "heap_reuse"
 FROZEN_GRAPH = {GRAPH: "frozen"}
+BENCH_ONLY_OPTIONS = (GRAPH, HEAP_REUSE)
 GRAPH_IMAGE_CONFIGS = (
     ("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),
+    (f"compiled tiled (frozen){REUSE}", "tiled", {**FROZEN_GRAPH, HEAP_REUSE: True}),
     ("DeepCache 3 + compiled tiled (frozen)", "tiled", {**DEEPCACHE, **FROZEN_GRAPH}),
     (
         "ToMe 0.5 + DeepCache 3 + compiled tiled (frozen)",
         "tiled",
         {**TOME, **DEEPCACHE, **FROZEN_GRAPH},
+    ),
+    (
+        f"ToMe 0.5 + DeepCache 3 + compiled tiled (frozen){REUSE}",
+        "tiled",
+        {**TOME, **DEEPCACHE, **FROZEN_GRAPH, HEAP_REUSE: True},
     ),
 )
 TRANSFORMER_GRAPH_IMAGE_CONFIGS = (("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),)
@@ -357,8 +368,14 @@ def image_configs(family: str, graph: bool = True) -> tuple:
     """The ``--images`` configurations for a model family (pipelines.FAMILIES); ``graph``: with
     the graph-mode ones (the web UI's compare tab leaves them out: it compiles on request)."""
     if family in ("sd", "sdxl"):
-        return IMAGE_CONFIGS + (GRAPH_IMAGE_CONFIGS if graph else ())
-    return TRANSFORMER_IMAGE_CONFIGS + (TRANSFORMER_GRAPH_IMAGE_CONFIGS if graph else ())
+        configs = IMAGE_CONFIGS + (GRAPH_IMAGE_CONFIGS if graph else ())
+    else:
+        configs = TRANSFORMER_IMAGE_CONFIGS + (TRANSFORMER_GRAPH_IMAGE_CONFIGS if graph else ())
+    from ..runtime.extension import _C
+
+    if _C.heap_reuse_supported():
+        return configs
+    return tuple(c for c in configs if HEAP_REUSE not in c[2])
 
 
 def select_configs(configs: tuple, wanted: Optional[str]) -> tuple:
@@ -380,6 +397,22 @@ def select_configs(configs: tuple, wanted: Optional[str]) -> tuple:
 
 def is_graph_config(options: dict) -> bool:
     return GRAPH in options
+
+
+def acceleration_options(options: dict) -> dict:
+    """A configuration's options for accelerate(): without the benchmark's own keys."""
+    return {k: v for k, v in options.items() if k not in BENCH_ONLY_OPTIONS}
+
+
+def graph_config_groups(configs) -> list:
+    """Graph-mode configurations grouped by the compiled copy they run on: those that differ
+    only in HEAP_REUSE share one, in their given order."""
+    groups = {}
+    for config in configs:
+        _, strategy, options = config
+        key = (strategy, tuple(sorted((k, v) for k, v in options.items() if k != HEAP_REUSE)))
+        groups.setdefault(key, []).append(config)
+    return list(groups.values())
 
 
 def pipeline_copy(pipe):
@@ -408,7 +441,7 @@ def prepare_graph_config(weights, strategy: str, options: dict, embeds: dict, si
 
     start = time.perf_counter()
     twin = pipeline_copy(weights)
-    configure(twin, strategy, {k: v for k, v in options.items() if k != GRAPH})
+    configure(twin, strategy, acceleration_options(options))
     graph_compile(twin, strategy=None, freeze=True, show_progress=False)
     timed_image(twin, embeds, GRAPH_WARM_UP_STEPS, size)
     return twin, time.perf_counter() - start
@@ -428,7 +461,7 @@ def check_image_configs(pipe, model: str, configs=IMAGE_CONFIGS) -> None:
         reason = unavailable_reason(strategy, device)
         if reason is not None:
             raise ConfigurationError(f"configuration {label!r} cannot run on {model}: {reason}")
-        options = {k: v for k, v in options.items() if k != GRAPH}
+        options = acceleration_options(options)
         if not options:  # (no options would check the environment's)
             continue
         try:
@@ -562,26 +595,47 @@ def compare_images(
 
 def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, timed) -> dict:
     """Compiles, warms up and times (``timed(target, label)``, `repeats` times) each graph-mode
-    configuration in turn on a compiled copy of ``pipe``, released before the next; returns
-    their compile + warm-up seconds."""
+    configuration in turn on a compiled copy of ``pipe``, released before the next (those that
+    differ only in heap reuse share one copy and are interleaved on it); returns the compile +
+    warm-up seconds of each copy, under its first configuration's label."""
     from ..graph.mode import release_compiled_graphs
 
     setup_seconds = {}
-    if not configs:
-        return setup_seconds
     # The eager configurations are over (they convert the pipeline's weights in place for
     # channels-last, which a frozen graph must not see afterwards), so the compiled copies share
     # the pipeline's weights: a private copy of them did not fit next to a frozen full-size
     # SD-1.5 in float32 on 24 GiB.
-    for label, strategy, options in configs:
+    for group in graph_config_groups(configs):
+        label, strategy, options = group[0]
         twin, setup_seconds[label] = prepare_graph_config(pipe, strategy, options, embeds, size)
-        for _ in range(repeats):
-            timed(twin, label)
+        try:
+            for _ in range(repeats):
+                for config in group:
+                    set_image_heap_reuse(twin, config[2], embeds, size)
+                    timed(twin, config[0])
+        finally:
+            set_image_heap_reuse(twin, {}, embeds, size)
         del twin
         # Its graphs and their frozen weights go with it (~6.7 GB for float32 SD-1.5 otherwise
         # kept by inductor), and count against no recompile limit.
         release_compiled_graphs()
     return setup_seconds
+
+
+def set_image_heap_reuse(pipe, options: dict, embeds: dict, size: int) -> None:
+    """Heap reuse on for a HEAP_REUSE configuration, then an untimed image (with its decode)
+    fills the heap, as the images before it would in a user's process; off (memory returned to
+    the OS) otherwise. That image has the warm-up's step count: a 1-step image took graphs
+    (DeepCache's) the warm-up had not, and the next timed image then recompiled (176 s against
+    13 s, SD-1.5 in bfloat16)."""
+    import npu_attn
+
+    reuse = bool(options.get(HEAP_REUSE))
+    if reuse == npu_attn.runtime.cpu_memory_reuse_enabled():
+        return
+    npu_attn.runtime.reuse_cpu_memory(reuse)
+    if reuse:
+        timed_image(pipe, embeds, GRAPH_WARM_UP_STEPS, size)
 
 
 def sdcpp_runners(pipe, model: str, weight_types, threads: int, stack) -> list:
