@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -150,10 +151,10 @@ def shared_tensors(module) -> list:
 
 
 def _set_heap_reuse(name: str, runner: Optional[Callable]) -> None:
-    """Heap reuse (npu_attn.runtime.reuse_cpu_memory) on for the `+ heap reuse` row only. That row
-    is timed in its steady state, as in a denoising loop after the first step: the untimed
-    call after switching it on fills the heap that the timed call then reuses (switching it
-    off for the other rows returns the memory to the OS)."""
+    """Heap reuse (npu_attn.runtime.reuse_cpu_memory) on for `+ heap reuse` rows only (steps and
+    images). Such a row is timed in its steady state, as in a denoising loop after the first
+    step: the untimed call after switching it on fills the heap that the timed call then
+    reuses (switching it off for the other rows returns the memory to the OS)."""
     import npu_attn
 
     from ..runtime.extension import _C
@@ -338,16 +339,14 @@ TRANSFORMER_IMAGE_CONFIGS = (
 # graph). The exact recipe (graph mode alone) and the lossy ones (with the caches and Token
 # Merging). Not with channels-last: a frozen graph lays out its convolution weights itself
 # (and channels-last converts weights in place, which the frozen copies share).
-# The options key HEAP_REUSE times the same compiled copy as the row without it, interleaved
-# with that row, with npu_attn.runtime.reuse_cpu_memory(True) (rows dropped where the C heap is
-# not glibc's): the fastest recipe's last exact switch.
+# A row labelled `<row> + heap reuse` (REUSE, as in the step benchmark) times the compiled copy
+# of <row>, interleaved with it, with npu_attn.runtime.reuse_cpu_memory(True) (rows dropped
+# where the C heap is not glibc's): the fastest recipes' last exact switch.
 GRAPH = "graph_mode"
-HEAP_REUSE = "heap_reuse"
 FROZEN_GRAPH = {GRAPH: "frozen"}
-BENCH_ONLY_OPTIONS = (GRAPH, HEAP_REUSE)
 GRAPH_IMAGE_CONFIGS = (
     ("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),
-    (f"compiled tiled (frozen){REUSE}", "tiled", {**FROZEN_GRAPH, HEAP_REUSE: True}),
+    (f"compiled tiled (frozen){REUSE}", "tiled", FROZEN_GRAPH),
     ("DeepCache 3 + compiled tiled (frozen)", "tiled", {**DEEPCACHE, **FROZEN_GRAPH}),
     (
         "ToMe 0.5 + DeepCache 3 + compiled tiled (frozen)",
@@ -357,7 +356,7 @@ GRAPH_IMAGE_CONFIGS = (
     (
         f"ToMe 0.5 + DeepCache 3 + compiled tiled (frozen){REUSE}",
         "tiled",
-        {**TOME, **DEEPCACHE, **FROZEN_GRAPH, HEAP_REUSE: True},
+        {**TOME, **DEEPCACHE, **FROZEN_GRAPH},
     ),
 )
 TRANSFORMER_GRAPH_IMAGE_CONFIGS = (("compiled tiled (frozen)", "tiled", FROZEN_GRAPH),)
@@ -375,7 +374,7 @@ def image_configs(family: str, graph: bool = True) -> tuple:
 
     if _C.heap_reuse_supported():
         return configs
-    return tuple(c for c in configs if HEAP_REUSE not in c[2])
+    return tuple(c for c in configs if not c[0].endswith(REUSE))
 
 
 def select_configs(configs: tuple, wanted: Optional[str]) -> tuple:
@@ -400,18 +399,16 @@ def is_graph_config(options: dict) -> bool:
 
 
 def acceleration_options(options: dict) -> dict:
-    """A configuration's options for accelerate(): without the benchmark's own keys."""
-    return {k: v for k, v in options.items() if k not in BENCH_ONLY_OPTIONS}
+    """A configuration's options for accelerate(): without the benchmark's own key."""
+    return {k: v for k, v in options.items() if k != GRAPH}
 
 
 def graph_config_groups(configs) -> list:
-    """Graph-mode configurations grouped by the compiled copy they run on: those that differ
-    only in HEAP_REUSE share one, in their given order."""
+    """Graph-mode configurations grouped by the compiled copy they run on: a `+ heap reuse`
+    row shares the copy of the row it names, in their given order."""
     groups = {}
     for config in configs:
-        _, strategy, options = config
-        key = (strategy, tuple(sorted((k, v) for k, v in options.items() if k != HEAP_REUSE)))
-        groups.setdefault(key, []).append(config)
+        groups.setdefault(config[0].removesuffix(REUSE), []).append(config)
     return list(groups.values())
 
 
@@ -608,34 +605,23 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
     for group in graph_config_groups(configs):
         label, strategy, options = group[0]
         twin, setup_seconds[label] = prepare_graph_config(pipe, strategy, options, embeds, size)
+        # A reuse row fills the heap with an untimed image first, as the images before it would
+        # in a user's process. Of the warm-up's step count: a 1-step image took graphs
+        # (DeepCache's) the warm-up had not, and the next timed image recompiled (176 s
+        # against 13 s, SD-1.5 in bfloat16).
+        fill = functools.partial(timed_image, twin, embeds, GRAPH_WARM_UP_STEPS, size)
         try:
             for _ in range(repeats):
-                for config in group:
-                    set_image_heap_reuse(twin, config[2], embeds, size)
-                    timed(twin, config[0])
+                for name, _, _ in group:
+                    _set_heap_reuse(name, fill)
+                    timed(twin, name)
         finally:
-            set_image_heap_reuse(twin, {}, embeds, size)
+            _set_heap_reuse("", None)
         del twin
         # Its graphs and their frozen weights go with it (~6.7 GB for float32 SD-1.5 otherwise
         # kept by inductor), and count against no recompile limit.
         release_compiled_graphs()
     return setup_seconds
-
-
-def set_image_heap_reuse(pipe, options: dict, embeds: dict, size: int) -> None:
-    """Heap reuse on for a HEAP_REUSE configuration, then an untimed image (with its decode)
-    fills the heap, as the images before it would in a user's process; off (memory returned to
-    the OS) otherwise. That image has the warm-up's step count: a 1-step image took graphs
-    (DeepCache's) the warm-up had not, and the next timed image then recompiled (176 s against
-    13 s, SD-1.5 in bfloat16)."""
-    import npu_attn
-
-    reuse = bool(options.get(HEAP_REUSE))
-    if reuse == npu_attn.runtime.cpu_memory_reuse_enabled():
-        return
-    npu_attn.runtime.reuse_cpu_memory(reuse)
-    if reuse:
-        timed_image(pipe, embeds, GRAPH_WARM_UP_STEPS, size)
 
 
 def sdcpp_runners(pipe, model: str, weight_types, threads: int, stack) -> list:
