@@ -109,6 +109,18 @@ def test_skips_the_steps_between_refreshes_and_restarts_with_each_generation():
     assert smaller.shape[-1] == 8
 
 
+def test_a_one_step_generation_does_not_leak_into_the_next():
+    """A 1-step generation ends at step index 0, where the next generation starts: the next one
+    still starts a new cache cycle. Caught: its first call counted as a second UNet call within
+    the same step, and its skipped steps read the 1-step generation's deep features."""
+    pipe = sd15_pipeline()
+    apply_deep_cache(pipe, 3)
+    first = generate(pipe, steps=STEPS)
+    generate(pipe, steps=1, seed=1)  # other noise: other deep features at step 0
+    assert torch.equal(generate(pipe, steps=STEPS), first)
+    assert deep_cache_of(pipe)["skipped_steps"] == 6
+
+
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_runs_under_no_grad_and_inference_mode(context):
     pipe = sd15_pipeline()
@@ -204,4 +216,18 @@ def test_under_torch_compile_steps_do_not_recompile():
             output_type="pt",
         )
     assert 1 <= frames.frame_count <= 4, frames.frame_count
+    # Another step count, and a 1-step generation (which ends where the next one starts), take
+    # the graphs compiled already. Caught: after a 1-step image, the next image's first call
+    # counted as a second call in the same step, whose cache keys recompiled the UNet.
+    compiled = frames.frame_count
+    for steps in (1, 5):
+        with torch.no_grad():
+            pipe(
+                **prompt_embeddings(pipe, torch.float32, "cpu"),
+                num_inference_steps=steps,
+                height=64,
+                width=64,
+                output_type="pt",
+            )
+    assert frames.frame_count == compiled, f"{frames.frame_count - compiled} frames recompiled"
     torch._dynamo.reset()

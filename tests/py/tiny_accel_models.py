@@ -115,8 +115,8 @@ def sdxl_pipeline() -> StableDiffusionXLPipeline:
     return pipe
 
 
-def generate(pipe, steps: int = 4, size: int = 32) -> torch.Tensor:
-    """Latents of a short CFG generation (fixed prompt embeddings and seed)."""
+def generate(pipe, steps: int = 4, size: int = 32, seed: int = 0) -> torch.Tensor:
+    """Latents of a short CFG generation (fixed prompt embeddings; ``seed`` draws the noise)."""
     g = torch.Generator().manual_seed(0)
     kwargs = {
         "prompt_embeds": torch.randn(1, 7, TEXT_DIM, generator=g),
@@ -132,7 +132,7 @@ def generate(pipe, steps: int = 4, size: int = 32) -> torch.Tensor:
         height=size,
         width=size,
         output_type="latent",
-        generator=torch.Generator().manual_seed(0),
+        generator=torch.Generator().manual_seed(seed),
     ).images
 
 

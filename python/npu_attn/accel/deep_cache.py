@@ -15,9 +15,10 @@ the UNet finds the step from the pipeline's ``scheduler.timesteps``, and the UNe
 and up blocks and their resnets, transformers and samplers get an instance ``forward`` that
 returns the cached output on skipped steps. :func:`remove_deep_cache` removes exactly those
 (the class ``forward`` is what runs again). Beyond DeepCacheSDHelper: a new generation (the
-step index going back) starts a new cache cycle; separate UNet calls within one step (pipelines
-that run the conditional and unconditional halves separately) get separate caches; a call whose
-input shape differs from the cached one computes everything.
+scheduler's timesteps set again, or the step index going back) starts a new cache cycle, also
+after a 1-step generation; separate UNet calls within one step (pipelines that run the
+conditional and unconditional halves separately) get separate caches; a call whose input shape
+differs from the cached one computes everything.
 
 DeepCache is lossy: never enabled unless asked for (``cache_interval=1`` is exact: every step
 is computed).
@@ -116,6 +117,10 @@ class _State:
         self.cached_shape: dict[int, tuple[int, ...]] = {}  # per call in a step
         self.start_index: Optional[int] = None
         self.last_index: Optional[int] = None
+        # The scheduler's timesteps tensor of the current generation: pipelines set it anew for
+        # every call, so a new object marks a new generation even where the step index does not
+        # go back (a 1-step generation, then another starting at index 0).
+        self.schedule: Any = None
         self.call_in_step = 0
         self.skipping = False
         self.skipped_steps = 0
@@ -126,8 +131,8 @@ class _State:
     def cache(self) -> dict[tuple[int, str], Any]:
         return self._store.tensors
 
-    def step_index(self, timestep: Any) -> int:
-        """The index of ``timestep`` in the pipeline's scheduler (DeepCacheSDHelper's rule)."""
+    def schedule_of_pipeline(self) -> Any:
+        """The pipeline scheduler's ``timesteps`` (set by the pipeline for each generation)."""
         pipe = self._pipe() if self._pipe is not None else None
         if pipe is None:
             raise RuntimeError(
@@ -138,6 +143,11 @@ class _State:
         timesteps = getattr(getattr(pipe, "scheduler", None), "timesteps", None)
         if timesteps is None:
             raise RuntimeError("deep_cache: the pipeline's scheduler has no timesteps yet")
+        return timesteps
+
+    @staticmethod
+    def step_index(timestep: Any, timesteps: Any) -> int:
+        """The index of ``timestep`` in the scheduler's ``timesteps`` (DeepCacheSDHelper's rule)."""
         value = float(timestep.flatten()[0]) if torch.is_tensor(timestep) else float(timestep)
         matches = (torch.as_tensor(timesteps).double() == value).nonzero()
         if len(matches) == 0:
@@ -149,9 +159,13 @@ class _State:
         return int(matches[0])
 
     def begin_call(self, timestep: Any, sample: torch.Tensor) -> None:
-        index = self.step_index(timestep)
-        if self.last_index is None or index < self.last_index:  # a new generation
+        timesteps = self.schedule_of_pipeline()
+        index = self.step_index(timestep, timesteps)
+        new_schedule = timesteps is not self.schedule
+        if new_schedule or self.last_index is None or index < self.last_index:  # a new generation
+            self.schedule = timesteps
             self.start_index = index
+            self.last_index = None  # its first call is the step's first call
             self.cache.clear()
             self.cached_shape.clear()
         self.call_in_step = self.call_in_step + 1 if index == self.last_index else 0
