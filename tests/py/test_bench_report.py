@@ -113,3 +113,27 @@ def test_int8_rows_the_exact_kernel_serves_are_marked(monkeypatch):
     )
     assert bench_report._int8_error({"int8_relative_l1": 8e-3}) == "8.0e-03"
     assert bench_report._int8_error({}) == "-"
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_competitors_follow_every_other_one_equally_often(monkeypatch, count):
+    """What ran just before a short call changes its time, so the rounds' orders are balanced
+    for the predecessor: over a full set of rounds each competitor runs right after each other
+    one equally often (a fixed order gave the kernel column torch's SDPA as its predecessor in
+    every round; a rotated one keeps the same neighbours)."""
+    from npu_attn.tools import bench
+
+    order = []
+    names = ["vanilla", "sdpa", "tiled", "int8"][:count]
+    fake = {n: (lambda q, k, v, n=n: order.append(n)) for n in names}
+    monkeypatch.setattr(bench, "competitor_functions", lambda: fake)
+    rounds = count if count % 2 == 0 else 2 * count
+    times = bench.time_case(bench.Case("tiny", 1, 1, 4, 4, 8), names, rounds, warmup=0)
+    assert {n: len(t) for n, t in times.items()} == dict.fromkeys(names, rounds)
+    pairs = {(a, b): 0 for a in names for b in names if a != b}
+    for start in range(0, len(order), count):
+        one_round = order[start : start + count]
+        assert sorted(one_round) == sorted(names)
+        for before, after in zip(one_round, one_round[1:]):
+            pairs[(before, after)] += 1
+    assert len(set(pairs.values())) == 1, pairs

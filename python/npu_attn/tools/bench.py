@@ -1,11 +1,11 @@
 """``python -m npu_attn bench``: which attention strategy wins on *this* machine.
 
 Every competitor runs in this one process, on the same tensors, interleaved (round-robin after
-a warm-up), with the same thread count; the report gives medians and spreads, the speed-up
-over torch's SDPA, GFLOP/s and the percentage of this machine's peak for the compute path the
-dtype runs on (fp32 FMA, vdpbf16ps or AMX tiles, each measured by a small C++ probe, not
-assumed). Peak memory is measured honestly: one fresh subprocess per
-(case, strategy), reporting the growth of its peak RSS during one call.
+a warm-up, in orders balanced for which one ran before), with the same thread count; the report
+gives medians and spreads, the speed-up over torch's SDPA, GFLOP/s and the percentage of this
+machine's peak for the compute path the dtype runs on (fp32 FMA, vdpbf16ps or AMX tiles, each
+measured by a small C++ probe, not assumed). Peak memory is measured honestly: one fresh
+subprocess per (case, strategy), reporting the growth of its peak RSS during one call.
 
 Shapes are taken from real model configurations (batch 2 = classifier-free guidance):
 
@@ -158,8 +158,35 @@ def runnable(case: Case, name: str) -> Optional[str]:
     return None
 
 
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: a row of a Williams design over ``names``.
+
+    What ran just before a call changes its time: a 0.1 ms call after torch's SDPA or after
+    another small torch op measured 25-45% slower on Sapphire Rapids than after itself (the
+    caches and worker threads the previous op left). A fixed order (or a rotated one, which
+    keeps the neighbours) gives each competitor the same predecessor in every round. Williams'
+    Latin square is balanced for the predecessor: over its rows (n of them for n names, 2n
+    when n is odd) each competitor runs right after each other one equally often."""
+    n = len(names)
+    if n < 2:
+        return list(names)
+    first = [0]  # 0, 1, n-1, 2, n-2, ...
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + shift) % n for x in first] for shift in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[i] for i in rows[round_index % len(rows)]]
+
+
 def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Seconds per call for each competitor, interleaved round-robin after a warm-up."""
+    """Seconds per call for each competitor, interleaved round-robin after a warm-up, each
+    round in the order :func:`round_order` gives."""
     fns = competitor_functions()
     q, k, v = make_inputs(case)
     active = [n for n in names if runnable(case, n) is None]
@@ -167,8 +194,8 @@ def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, lis
     for _ in range(warmup):
         for n in active:
             call(fns[n], q, k, v, case.backward)
-    for _ in range(repeats):
-        for n in active:
+    for round_index in range(repeats):
+        for n in round_order(active, round_index):
             start = time.perf_counter()
             call(fns[n], q, k, v, case.backward)
             times[n].append(time.perf_counter() - start)
