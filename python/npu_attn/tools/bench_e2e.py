@@ -20,11 +20,12 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
   users of diffusion often pick instead.
 
 Every competitor runs in this process on the same inputs with the same thread count,
-interleaved (round-robin) after a warm-up; compile and conversion times are reported
-separately; the table gives medians and ratios to the baseline and names the machine. Below
-it, the step's attention calls replayed alone with each kernel predict the ``eager tiled`` and
-``eager int8`` steps from the ``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`),
-next to the measured ones. ``--configs eager`` runs the eager rows alone (no compiles).
+interleaved after a warm-up (each round in an order balanced for which competitor ran before:
+``bench.round_order``); compile and conversion times are reported separately; the table gives
+medians and ratios to the baseline and names the machine. Below it, the step's attention calls
+replayed alone with each kernel predict the ``eager tiled`` and ``eager int8`` steps from the
+``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the measured ones.
+``--configs eager`` runs the eager rows alone (no compiles).
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
 pipeline) under the diffusers default, ``tiled``, channels-last, Token Merging, DeepCache and
@@ -214,6 +215,7 @@ def run(args) -> dict:
     from ..runtime import controls as _runtime
     from ..runtime.extension import _C
     from .attention_share import record_attention_calls, step_predictions
+    from .bench import round_order
     from .bench_report import machine_info
     from .pipelines import vae_scale_factor
 
@@ -267,8 +269,10 @@ def run(args) -> dict:
         if name.startswith("compiled") and not name.endswith(REUSE):  # the first call compiles
             setup_seconds[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {n: [] for n in names}
-    for _ in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
-        for name in names:
+    # Each round in an order balanced for the predecessor (bench.round_order): a step's time
+    # depends on the heap and caches the step before it left.
+    for round_index in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
+        for name in round_order(names, round_index):
             _set_heap_reuse(name, runners[name])
             start = time.perf_counter()
             runners[name]()
@@ -606,9 +610,7 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
         label, strategy, options = group[0]
         twin, setup_seconds[label] = prepare_graph_config(pipe, strategy, options, embeds, size)
         # A reuse row fills the heap with an untimed image first, as the images before it would
-        # in a user's process. Of the warm-up's step count: a 1-step image took graphs
-        # (DeepCache's) the warm-up had not, and the next timed image recompiled (176 s
-        # against 13 s, SD-1.5 in bfloat16).
+        # in a user's process (of the warm-up's step count, so it takes the warm-up's graphs).
         fill = functools.partial(timed_image, twin, embeds, GRAPH_WARM_UP_STEPS, size)
         try:
             for _ in range(repeats):
