@@ -21,7 +21,7 @@ UNet call of the full Stable Diffusion 1.5 architecture (random weights, nothing
 
 Every competitor runs in this process on the same inputs with the same thread count,
 interleaved after a warm-up (each round in an order balanced for which competitor ran before:
-``bench.round_order``); compile and conversion times are reported separately; the table gives
+``rounds.round_order``); compile and conversion times are reported separately; the table gives
 medians and ratios to the baseline and names the machine. Below it, the step's attention calls
 replayed alone with each kernel predict the ``eager tiled`` and ``eager int8`` steps from the
 ``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the measured ones.
@@ -215,9 +215,9 @@ def run(args) -> dict:
     from ..runtime import controls as _runtime
     from ..runtime.extension import _C
     from .attention_share import record_attention_calls, step_predictions
-    from .bench import round_order
     from .bench_report import machine_info
     from .pipelines import vae_scale_factor
+    from .rounds import round_order
 
     dtype = getattr(torch, args.dtype)
     threads = args.threads or torch.get_num_threads()
@@ -269,7 +269,7 @@ def run(args) -> dict:
         if name.startswith("compiled") and not name.endswith(REUSE):  # the first call compiles
             setup_seconds[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {n: [] for n in names}
-    # Each round in an order balanced for the predecessor (bench.round_order): a step's time
+    # Each round in an order balanced for the predecessor (rounds.round_order): a step's time
     # depends on the heap and caches the step before it left.
     for round_index in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
         for name in round_order(names, round_index):
