@@ -95,6 +95,11 @@ TEST_P(BackwardEveryIsa, MatchesReferenceOnShapeGrid) {
   cases.push_back({1, 8, 2, 90, 120, 64, 64});  // GQA 4:1
   cases.push_back({2, 6, 3, 50, 50, 72, 72});   // GQA 2:1
   cases.push_back({3, 5, 1, 33, 47, 24, 24});   // MQA
+  // Large head dims (the VAE mid-block's 512; 384), several tiles both ways, on each side alone
+  // and on both
+  cases.push_back({1, 1, 1, 130, 140, 512, 512});
+  cases.push_back({1, 2, 2, 70, 100, 384, 64});
+  cases.push_back({1, 2, 2, 70, 100, 40, 512});
   for (Case c : cases) {
     for (Layout layout : {Layout::kBHSD, Layout::kBSHD, Layout::kBHDS}) {
       c.layout = layout;
