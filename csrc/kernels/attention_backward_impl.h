@@ -52,6 +52,22 @@ namespace {
 
 constexpr int64_t kBwdBlockQ = 64;  // queries per tile
 constexpr int64_t kBwdBlockK = 64;  // keys per tile (a multiple of every kLanes)
+// From this head dim the three accumulating products (dV, dK, dQ) walk their register blocks
+// rows-outer (vec_impl.h's BlockOrder): each row block's A rows stay in L1 while B streams past.
+// With columns outer, a column group's B slice is one line of every 2 KiB row at head dim 512,
+// and those lines fall into two of L1's sets. A/B on Zen 3 (AVX2, 2 threads, outputs
+// bit-identical): the VAE mid-block at 512px (head dim 512) 0.975-0.987x the time in float32
+// over three runs, 0.981x with bfloat16 inputs; at head dims 64-160 (SD-1.5 32x32 and 16x16,
+// SDXL 32x32) 0.997-1.015x, so only from here. Padding the rows by a cache line instead
+// measured slower (1.05-1.09x). Only with 256-bit vectors: with AVX-512 a column group is four
+// vectors, and that order was never measured there.
+constexpr int64_t kBwdRowsOuterMinDim = 384;
+constexpr bool kBwdRowsOuterMeasured = kVecBytes == 32;
+
+bool accumulate_rows_outer(const AttentionParams& p) {
+  if (!kBwdRowsOuterMeasured) return false;
+  return p.head_dim >= kBwdRowsOuterMinDim || p.head_dim_v >= kBwdRowsOuterMinDim;
+}
 
 // ---------------------------------------------------------------- plan
 struct BackwardPlan {
@@ -230,6 +246,22 @@ void probs_to_dscores(const TileCoords& t, const float* delta_rows, const float*
   }
 }
 
+// dV += P^T dO;  dK += dS^T (scale Q);  dQ += dS K of one tile, in `Order` (vec_impl.h):
+// outputs bit-identical either way.
+template <BlockOrder Order>
+void accumulate_products_in(const BackwardPlan& plan, const TileCoords& t, BackwardScratch& s,
+                            float* dq_rows) {
+  broadcast_fma<ALayout::kColMajor, true, Order>(s.probs, kBwdBlockK, s.do_rows, plan.dim_v_pad,
+                                                 t.rows, t.keys, plan.dim_v_pad / kLanes, s.dv,
+                                                 plan.dim_v_pad);
+  broadcast_fma<ALayout::kColMajor, true, Order>(s.dscores, kBwdBlockK, s.q_rows, plan.dim_pad,
+                                                 t.rows, t.keys, plan.dim_pad / kLanes, s.dk,
+                                                 plan.dim_pad);
+  broadcast_fma<ALayout::kRowMajor, true, Order>(s.dscores, kBwdBlockK, s.k_rows, plan.dim_pad,
+                                                 t.keys, t.rows, plan.dim_pad / kLanes, dq_rows,
+                                                 plan.dim_pad);
+}
+
 // All the work of one (query tile, key tile): accumulates into s.dk, s.dv and dq_rows.
 template <typename T>
 void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, const TileCoords& t,
@@ -251,12 +283,11 @@ void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
   scores_to_probs(p, t, s.probs);
   probs_to_dscores(t, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs, s.dscores);
   // dV += P^T dO;  dK += dS^T (scale Q);  dQ += dS K   (scale applied when dQ is written)
-  broadcast_fma<ALayout::kColMajor, true>(s.probs, kBwdBlockK, s.do_rows, plan.dim_v_pad, t.rows,
-                                          t.keys, plan.dim_v_pad / kLanes, s.dv, plan.dim_v_pad);
-  broadcast_fma<ALayout::kColMajor, true>(s.dscores, kBwdBlockK, s.q_rows, plan.dim_pad, t.rows,
-                                          t.keys, plan.dim_pad / kLanes, s.dk, plan.dim_pad);
-  broadcast_fma<ALayout::kRowMajor, true>(s.dscores, kBwdBlockK, s.k_rows, plan.dim_pad, t.keys,
-                                          t.rows, plan.dim_pad / kLanes, dq_rows, plan.dim_pad);
+  if (accumulate_rows_outer(p)) {
+    accumulate_products_in<BlockOrder::kRowBlocksOuter>(plan, t, s, dq_rows);
+  } else {
+    accumulate_products_in<BlockOrder::kColumnGroupsOuter>(plan, t, s, dq_rows);
+  }
 }
 
 // Rows of an accumulator (rows x padded) into a strided (len, dim) gradient at row `first`.
