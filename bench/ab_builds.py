@@ -30,8 +30,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cpu_model(ext) -> str:
-    """The CPU's brand string, as build ``ext`` reads it (CPUID; empty off x86)."""
-    return ext.cpu_info()["model"] or "unknown CPU"
+    """The CPU's brand string and CPUID signature, as build ``ext`` reads them (older builds
+    have no signature)."""
+    info = ext.cpu_info()
+    signature = info.get("signature", "")
+    return (info["model"] or "unknown CPU") + (f" ({signature})" if signature else "")
 
 
 def load_extension(path: str, alias: str):

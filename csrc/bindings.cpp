@@ -373,6 +373,7 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["vendor"] = c.vendor;
     d["model"] = c.model;
+    d["signature"] = c.signature;
     d["logical_cores"] = c.logical_cores;
     d["l1d_bytes"] = c.l1d_bytes;
     d["l2_bytes"] = c.l2_bytes;

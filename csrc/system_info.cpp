@@ -83,6 +83,16 @@ void fill_identity(CpuInfo& info) {
   info.model = first == std::string::npos
                    ? ""
                    : model.substr(first, model.find_last_not_of(' ') - first + 1);
+  if (__get_cpuid(1, &a, &b, &c, &d)) {
+    // The displayed family/model add the extended fields (Intel SDM vol. 2A, CPUID leaf 1).
+    const unsigned base_family = (a >> 8) & 0xf, base_model = (a >> 4) & 0xf;
+    const unsigned family = base_family == 0xf ? base_family + ((a >> 20) & 0xff) : base_family;
+    const unsigned model_id = base_family == 0x6 || base_family == 0xf
+                                  ? (((a >> 16) & 0xf) << 4) + base_model
+                                  : base_model;
+    info.signature = "family " + std::to_string(family) + " model " + std::to_string(model_id) +
+                     " stepping " + std::to_string(a & 0xf);
+  }
 }
 
 // Linux 5.16+ hands out the AMX tile data state only on request (arch_prctl
@@ -138,6 +148,9 @@ void fill_identity(CpuInfo& info) {
     const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
     if (key == "CPU implementer" && info.vendor.empty()) info.vendor = "ARM implementer " + value;
     if (key == "CPU part" && info.model.empty()) info.model = "AArch64 part " + value;
+    if (key == "CPU variant" && info.signature.empty()) info.signature = "variant " + value;
+    if (key == "CPU revision" && info.signature.find("revision") == std::string::npos)
+      info.signature += " revision " + value;
   }
 }
 

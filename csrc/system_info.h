@@ -42,6 +42,10 @@ const CpuFeatures& cpu_features();
 struct CpuInfo {
   std::string vendor;  // e.g. "GenuineIntel"
   std::string model;   // brand string
+  // CPUID family/model/stepping ("family 23 model 1 stepping 2"): virtual machines often show a
+  // generic brand string ("AMD EPYC") for several generations, the signature tells them apart.
+  // AArch64: "variant 0x1 revision 1"; empty where unknown.
+  std::string signature;
   int logical_cores = 0;
   int64_t l1d_bytes = 0, l2_bytes = 0, l3_bytes = 0;  // 0 if unknown
   CpuFeatures features;                               // = cpu_features()

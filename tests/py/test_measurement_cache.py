@@ -74,3 +74,53 @@ def test_a_rebuilt_extension_is_measured_again(monkeypatch):
     monkeypatch.setattr(auto, "build_digest", lambda: "another build")
     after = (variant_choice.fingerprint(), AutoSelector.fingerprint())
     assert after[0] != before[0] and after[1] != before[1]
+
+
+class _OtherGeneration:
+    """The extension seen from another generation of the same brand string: virtual machines
+    show "AMD EPYC" for Zen 1 and Zen 3 alike; only the CPUID signature differs."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def cpu_info(self):
+        info = dict(self._real.cpu_info())
+        info["signature"] = "family 99 model 99 stepping 99"
+        return info
+
+
+def test_another_cpu_generation_with_the_same_brand_string_is_measured_again(monkeypatch):
+    from npu_attn.runtime import controls
+
+    before = (variant_choice.fingerprint(), AutoSelector.fingerprint())
+    monkeypatch.setattr(variant_choice, "_C", _OtherGeneration(variant_choice._C))
+    monkeypatch.setattr(controls, "_C", _OtherGeneration(controls._C))
+    after = (variant_choice.fingerprint(), AutoSelector.fingerprint())
+    assert after[0] != before[0] and after[1] != before[1]
+    assert controls.cpu_identity().endswith("(family 99 model 99 stepping 99)")
+
+
+def test_the_cpu_signature_is_the_one_linux_reports():
+    """family/model/stepping computed from CPUID leaf 1 as /proc/cpuinfo shows them (x86)."""
+    import platform
+    import re
+    from pathlib import Path
+
+    from npu_attn import _C
+
+    signature = _C.cpu_info()["signature"]
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("the CPUID signature is checked against Linux's /proc/cpuinfo on x86")
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in cpuinfo.read_text().splitlines())
+        if key.strip() in ("cpu family", "model", "stepping")
+    )
+    family, model, stepping = fields["cpu family"], fields["model"], fields["stepping"]
+    expected = f"family {family} model {model} stepping {stepping}"
+    assert re.fullmatch(r"family \d+ model \d+ stepping \d+", signature)
+    assert signature == expected

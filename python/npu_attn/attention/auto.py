@@ -62,7 +62,7 @@ class AutoSelector:
         from .._version import __version__
 
         parts = [
-            _runtime.cpu_model(),
+            _runtime.cpu_identity(),
             str(os.cpu_count()),
             str(_runtime.get_num_threads()),
             torch.__version__,

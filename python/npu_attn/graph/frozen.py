@@ -53,7 +53,7 @@ class FrozenGraphPass(CustomInferenceAwareGraphPass):
         # the thread count are in it: a graph cached on this CPU keeps its decisions. (Graphs
         # holding oneDNN-packed constants are not cached by inductor today; the id keeps a
         # cached graph correct if they ever are.)
-        extra = f"{self.choice}|{_runtime.cpu_model()}|{torch.get_num_threads()}"
+        extra = f"{self.choice}|{_runtime.cpu_identity()}|{torch.get_num_threads()}"
         return get_hash_for_files(self.FILES + (__file__,), extra=extra)
 
 

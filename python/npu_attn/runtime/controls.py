@@ -38,6 +38,17 @@ def cpu_model() -> str:
     return _C.cpu_info()["model"] or platform.machine()
 
 
+def cpu_identity() -> str:
+    """The model name and the CPUID signature, e.g. ``AMD EPYC (family 23 model 1 stepping 2)``.
+
+    Virtual machines often report one generic brand string for several generations (Zen 1 and
+    Zen 3 are both "AMD EPYC"), so whatever is measured per CPU (cached kernel choices, graph
+    caches, benchmark reports) is keyed and labelled by this, not by the brand string alone.
+    """
+    signature = _C.cpu_info().get("signature", "")
+    return f"{cpu_model()} ({signature})" if signature else cpu_model()
+
+
 def set_num_threads(threads: Optional[int]) -> None:
     """Set the number of threads npu_attn's kernels use (1 .. ``MAX_THREADS``).
 

@@ -118,6 +118,7 @@ def fingerprint() -> str:
     parts = [
         cpu["vendor"],
         cpu["model"],
+        cpu["signature"],
         " ".join(cpu["features"]),
         " ".join(cpu["runnable_isas"]),
         build["compiler"],

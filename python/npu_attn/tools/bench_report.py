@@ -63,7 +63,7 @@ def machine_info(threads: int) -> dict:
     # per dtype: the measured peak of the compute path its self-attention variant runs on
     peaks = {dtype: compute_peak(dtype, threads) for dtype in DTYPES}
     return {
-        "cpu": _runtime.cpu_model(),
+        "cpu": _runtime.cpu_identity(),
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "kernel_isa": isa,

@@ -193,7 +193,8 @@ def render(report: dict[str, Any]) -> str:
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"Build: {b['compiler']}, OpenMP {b['openmp']}, Eigen {b['eigen']}, "
         f"{b.get('build_type', '?')}; variants compiled: {', '.join(b['compiled_isas'])}",
-        f"CPU: {cpu['model']} ({cpu['vendor']}), {cpu['logical_cores']} logical cores, "
+        f"CPU: {cpu['model']} ({cpu['vendor']} {cpu.get('signature', '')}), "
+        f"{cpu['logical_cores']} logical cores, "
         f"L2 {cpu['l2_bytes'] // 1024} KiB, features: {' '.join(cpu['features'])}",
         f"Kernel variants runnable here: {', '.join(cpu['runnable_isas'])}; "
         f"threads: {report['threads']}",

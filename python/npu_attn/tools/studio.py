@@ -531,7 +531,7 @@ def device_report(dm, working_dtypes: Optional[list[str]] = None) -> list[tuple[
         ("recommended dtype", info["dtype"]),
         ("working dtypes", ", ".join(working_dtypes)),
         ("threads", str(info["threads"])),
-        ("CPU", controls.cpu_model()),
+        ("CPU", controls.cpu_identity()),
         ("memory", dm.memory_summary()),
     ]
     for dtype, variant in controls.build_info()["active_isa"].items():
