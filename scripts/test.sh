@@ -34,7 +34,11 @@ echo "==> C++ tests on AArch64 (cross-built with g++-aarch64-linux-gnu, run unde
 cmake -S . -B build/aarch64 -G Ninja -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake \
   -DNPU_ATTN_BUILD_PYTHON=OFF >/dev/null
 cmake --build build/aarch64 -j "$JOBS"
-ctest --test-dir build/aarch64 --output-on-failure -j "$JOBS"
+# The portable scalar variant's long reference grids run natively above (Release and ASan);
+# under qemu-user each costs minutes (the double-precision reference dominates), so here they
+# run for the neon variant only. Every other scalar test still runs on AArch64.
+ctest --test-dir build/aarch64 --output-on-failure -j "$JOBS" \
+  -E '(MatchesReferenceOnShapeGrid|WorkspaceIsReleasedAndLinearInSequenceLength|AccurateOnDiffusionLikeActivations|MatchesReferenceWithMasksAndCausal|LargeKeyValueShapesMatchTheReferenceInBfloat16)/scalar$'
 bash scripts/aarch64_python.sh  # the Python extension, built for and loaded by arm64 CPython
 
 echo "==> C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
@@ -45,4 +49,4 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build/asan --output-on-failure -j "$JOBS"
 
 echo "==> Python tests"
-python -m pytest tests/py
+python -m pytest tests/py --durations=25  # the slowest tests, to keep CI within its budget
