@@ -18,8 +18,10 @@ MASKS='NPU_ATTN_DISABLE_FEATURES|ATEN_CPU_CAPABILITY|ONEDNN_MAX_CPU_ISA|MKL_ENAB
 env | grep -E "^($MASKS)=" | sort > "$OUT/environment.txt" || true
 "$PY" -m npu_attn bench --repeats 5 --json "$OUT/latest.json" --plots "$OUT" > "$OUT/full.log"
 "$PY" -m npu_attn bench --filter target --repeats 5 > "$OUT/target.log"
-"$PY" -m npu_attn bench --filter "$MODELS" --dtype bfloat16 --repeats 3 --no-memory > "$OUT/bf16.log"
-"$PY" -m npu_attn bench --filter "$MODELS" --dtype float16 --repeats 3 --no-memory > "$OUT/fp16.log"
+"$PY" -m npu_attn bench --filter "$MODELS" --dtype bfloat16 --repeats 3 --no-memory --skip vanilla \
+  > "$OUT/bf16.log"
+"$PY" -m npu_attn bench --filter "$MODELS" --dtype float16 --repeats 3 --no-memory --skip vanilla \
+  > "$OUT/fp16.log"
 "$PY" -m npu_attn bench --filter "$MODELS" --backward --repeats 3 --no-memory > "$OUT/bwd.log"
 "$PY" -m npu_attn bench --filter "$MODELS" --backward --dtype bfloat16 --repeats 3 --no-memory \
   > "$OUT/bwd_bf16.log"

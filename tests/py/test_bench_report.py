@@ -137,3 +137,32 @@ def test_competitors_follow_every_other_one_equally_often(monkeypatch, count):
         for before, after in zip(one_round, one_round[1:]):
             pairs[(before, after)] += 1
     assert len(set(pairs.values())) == 1, pairs
+
+
+def test_skipped_competitors_never_run_and_the_report_says_why(monkeypatch, tmp_path, capsys):
+    """``--skip vanilla,int8``: torch's unfused 16-bit attention takes minutes a call on CPUs
+    without bfloat16 hardware; the run leaves it out and each row names the option."""
+    import json
+
+    import torch
+
+    from npu_attn.tools import bench
+
+    calls = []
+    real = bench.competitor_functions()
+    counted = {n: (lambda q, k, v, n=n: calls.append(n) or real[n](q, k, v)) for n in real}
+    monkeypatch.setattr(bench, "competitor_functions", lambda: counted)
+    monkeypatch.setattr(bench, "model_cases", lambda: [bench.Case("tiny self", 1, 2, 16, 16, 8)])
+    threads = torch.get_num_threads()
+    out = tmp_path / "report.json"
+    args = ["--filter", "tiny", "--skip", "vanilla,int8", "--repeats", "2", "--no-memory"]
+    assert bench.main(args + ["--json", str(out), "--plots", str(tmp_path)]) == 0
+    torch.set_num_threads(threads)
+    assert set(calls) == {"sdpa", "tiled"}
+    row = json.loads(out.read_text())["cases"][0]["results"]
+    assert row["vanilla"] == {"skipped": "skipped: left out (--skip vanilla)"}
+    assert row["int8"] == {"skipped": "skipped: left out (--skip int8)"}
+    assert "left out (--skip vanilla)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--skip", "sdpa"])
+    assert "cannot skip sdpa" in capsys.readouterr().err
