@@ -60,7 +60,7 @@ def fill(template: str, values: dict[str, str]) -> str:
 
 
 def cpu_class(slug: str) -> tuple[str, bool]:
-    """(class, emulated) from a machine_slug(), e.g. "amd-epyc-avx2-emulated" -> ("avx2", True)."""
+    """(class, emulated) from a machine_slug(): "amd-epyc-zen4-avx2-emulated" -> ("avx2", True)."""
     emulated = slug.endswith("-emulated")
     base = slug.removesuffix("-emulated")
     for name in sorted(CLASS_NAMES, key=len, reverse=True):

@@ -3,7 +3,7 @@
 # 2-core VM), writes the machine's report to bench/results/<machine>.md and regenerates
 # BENCHMARKS.md from every report in bench/results/.
 # <machine> is the CPU and its class (npu_attn.tools.bench_report.machine_slug(), e.g.
-# amd-epyc-avx512-bf16); logs and JSON go to bench_out/<machine>/, plots to
+# amd-epyc-zen4-avx512-bf16); logs and JSON go to bench_out/<machine>/, plots to
 # docs/benchmarks/<machine>/. To measure a smaller CPU class on this one, export the variables
 # in BENCHMARKS.md's "Emulating another CPU class" first (the name then ends in -emulated).
 # Usage: bash bench/run_all.sh [python]   (default: .venv/bin/python)

@@ -150,7 +150,7 @@ void fill_identity(CpuInfo& info) {
     if (key == "CPU part" && info.model.empty()) info.model = "AArch64 part " + value;
     if (key == "CPU variant" && info.signature.empty()) info.signature = "variant " + value;
     if (key == "CPU revision" && info.signature.find("revision") == std::string::npos)
-      info.signature += " revision " + value;
+      info.signature += (info.signature.empty() ? "revision " : " revision ") + value;
   }
 }
 

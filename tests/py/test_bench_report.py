@@ -47,22 +47,41 @@ def test_the_peak_is_the_best_of_several_probes(monkeypatch):
 AMX_CPU = ["sse4.2", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
 
 
+SPR = "family 6 model 143 stepping 8"
+ZEN1, ZEN3, ZEN4 = (
+    "family 23 model 1 stepping 2",
+    "family 25 model 1 stepping 1",
+    "family 25 model 17 stepping 1",
+)
+
+
 @pytest.mark.parametrize(
-    "model, features, masked, slug",
+    "model, features, masked, signature, slug",
     [
-        ("Intel(R) Xeon(R) Platinum 8480+", AMX_CPU, False, "intel-xeon-platinum-8480-amx"),
-        ("Intel(R) Xeon(R) Processor", AMX_CPU, False, "intel-xeon-amx"),
-        ("AMD EPYC 9R14 96-Core Processor", AMX_CPU[:6], False, "amd-epyc-9r14-avx512-bf16"),
-        ("AMD EPYC", AMX_CPU[:5], False, "amd-epyc-avx512"),
+        ("Intel(R) Xeon(R) Platinum 8480+", AMX_CPU, False, SPR, "intel-xeon-platinum-8480-amx"),
+        ("Intel(R) Xeon(R) Processor", AMX_CPU, False, SPR, "intel-xeon-sapphire-rapids-amx"),
+        ("AMD EPYC 9R14 96-Core Processor", AMX_CPU[:6], False, ZEN4, "amd-epyc-9r14-avx512-bf16"),
+        ("AMD EPYC", AMX_CPU[:6], False, ZEN4, "amd-epyc-zen4-avx512-bf16"),
+        ("AMD EPYC", AMX_CPU[:5], False, "", "amd-epyc-avx512"),
+        # one brand string, two generations: two reports, not one overwriting the other
+        ("AMD EPYC", AMX_CPU[:4], False, ZEN3, "amd-epyc-zen3-avx2"),
+        ("AMD EPYC", AMX_CPU[:4], False, ZEN1, "amd-epyc-zen1-avx2"),
+        ("AMD EPYC", AMX_CPU[:4], False, "family 99 model 7 stepping 0", "amd-epyc-f99-m7-avx2"),
         # an AVX2 run emulated on a bigger CPU: the features are already masked
-        ("AMD EPYC", AMX_CPU[:4], True, "amd-epyc-avx2-emulated"),
-        ("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", AMX_CPU[:4], False, "intel-core-i7-8700-avx2"),
-        ("aarch64", [], False, "aarch64-portable"),
-        ("", [], False, "cpu-portable"),
+        ("AMD EPYC", AMX_CPU[:4], True, ZEN4, "amd-epyc-zen4-avx2-emulated"),
+        (
+            "Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz",
+            AMX_CPU[:4],
+            False,
+            "family 6 model 158 stepping 10",
+            "intel-core-i7-8700-avx2",
+        ),
+        ("aarch64", [], False, "variant 0x1 revision 1", "aarch64-portable"),
+        ("", [], False, "", "cpu-portable"),
     ],
 )
-def test_the_machine_slug_names_the_cpu_and_its_class(model, features, masked, slug):
-    assert bench_report.machine_slug(model, features, masked) == slug
+def test_the_machine_slug_names_the_cpu_and_its_class(model, features, masked, signature, slug):
+    assert bench_report.machine_slug(model, features, masked, signature) == slug
 
 
 def test_this_machines_slug_is_file_name_safe_and_names_its_class(monkeypatch):

@@ -81,14 +81,52 @@ def machine_info(threads: int) -> dict:
     }
 
 
+# CPU generations by CPUID family and model range, for brand strings that do not name one
+# (virtual machines show "AMD EPYC" or "Intel Xeon Processor" for every generation).
+_GENERATIONS = {
+    ("amd", 23): ((0x00, 0x2F, "zen1"), (0x30, 0xFF, "zen2")),
+    ("amd", 25): (
+        (0x00, 0x0F, "zen3"),
+        (0x10, 0x1F, "zen4"),
+        (0x20, 0x5F, "zen3"),
+        (0x60, 0xAF, "zen4"),
+    ),
+    ("amd", 26): ((0x00, 0xFF, "zen5"),),
+    ("intel", 6): (
+        (85, 85, "skylake"),
+        (106, 106, "ice-lake"),
+        (108, 108, "ice-lake"),
+        (143, 143, "sapphire-rapids"),
+        (173, 173, "granite-rapids"),
+        (207, 207, "emerald-rapids"),
+    ),
+}
+
+
+def cpu_generation(brand: str, signature: str) -> str:
+    """``zen3``, ``sapphire-rapids`` ... from the CPUID signature ("family 25 model 1 stepping
+    1"); ``f25-m1`` for a family/model not in the table, "" without a signature."""
+    found = re.search(r"family (\d+) model (\d+)", signature or "")
+    if not found:
+        return ""
+    family, model = int(found.group(1)), int(found.group(2))
+    vendor = "amd" if "amd" in brand.lower() else "intel" if "intel" in brand.lower() else ""
+    for low, high, name in _GENERATIONS.get((vendor, family), ()):
+        if low <= model <= high:
+            return name
+    return f"f{family}-m{model}"
+
+
 def machine_slug(
     model: Optional[str] = None,
     features: Optional[list] = None,
     masked: Optional[bool] = None,
+    signature: Optional[str] = None,
 ) -> str:
-    """A file-name-safe name for this machine and its CPU class, e.g. ``amd-epyc-avx512-bf16``
+    """A file-name-safe name for this machine and its CPU class, e.g. ``amd-epyc-zen4-avx512-bf16``
     or ``intel-xeon-platinum-8480-amx``: the CPU's brand string without trademarks, clock and
-    core count, then the class of the best kernels it can run (``amx``, ``avx512-bf16``,
+    core count (plus the generation from the CPUID signature when the brand string names no
+    model number), then the class of the best kernels it can run (``amx``, ``avx512-bf16``,
     ``avx512``, ``avx2`` or ``portable``), then ``-emulated`` when NPU_ATTN_DISABLE_FEATURES
     hides features (the class then is the emulated one). bench/run_all.sh writes its results
     under this name. Arguments default to this machine's (for tests).
@@ -103,9 +141,16 @@ def machine_slug(
         features = _C.cpu_info()["features"]  # already masked by NPU_ATTN_DISABLE_FEATURES
     if masked is None:
         masked = bool(os.environ.get("NPU_ATTN_DISABLE_FEATURES", "").strip(" ,"))
+    if signature is None:
+        from ..runtime.extension import _C
+
+        signature = _C.cpu_info().get("signature", "")
     noise = r"\((?:r|tm|c)\)|\b(?:cpu|processor)\b|@\s*[\d.]+\s*[gm]hz|\b\d+-core\b"
     name = re.sub(noise, " ", model.lower())
     name = re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
+    generation = cpu_generation(model, signature)
+    if generation and not re.search(r"\d", name):  # "amd-epyc": which one?
+        name = f"{name}-{generation}"
     features = set(features)
     if "amx_bf16" in features:
         cpu_class = "amx"
