@@ -45,8 +45,9 @@ def cpu_identity() -> str:
     Zen 3 are both "AMD EPYC"), so whatever is measured per CPU (cached kernel choices, graph
     caches, benchmark reports) is keyed and labelled by this, not by the brand string alone.
     """
-    signature = _C.cpu_info().get("signature", "")
-    return f"{cpu_model()} ({signature})" if signature else cpu_model()
+    info = _C.cpu_info()
+    model = info["model"] or platform.machine()
+    return f"{model} ({info['signature']})" if info["signature"] else model
 
 
 def set_num_threads(threads: Optional[int]) -> None:

@@ -154,10 +154,8 @@ def call(fn, q, k, v, backward: bool):
 OPTIONAL_COMPETITORS = ("vanilla", "int8")
 
 
-def runnable(case: Case, name: str, left_out: tuple[str, ...] = ()) -> Optional[str]:
+def runnable(case: Case, name: str) -> Optional[str]:
     """None if `name` should run on `case`, else why it is skipped."""
-    if name in left_out:
-        return f"skipped: left out (--skip {name})"
     if name == "vanilla" and case.score_bytes > VANILLA_SCORE_LIMIT:
         return f"skipped: needs ~{3 * case.score_bytes / 2**30:.0f} GiB for scores"
     if name == "int8" and case.backward:
@@ -165,14 +163,12 @@ def runnable(case: Case, name: str, left_out: tuple[str, ...] = ()) -> Optional[
     return None
 
 
-def time_case(
-    case: Case, names, repeats: int, warmup: int = 1, left_out: tuple[str, ...] = ()
-) -> dict[str, list[float]]:
+def time_case(case: Case, names, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds per call for each competitor, interleaved round-robin after a warm-up, each
     round in the order :func:`round_order` gives."""
     fns = competitor_functions()
     q, k, v = make_inputs(case)
-    active = [n for n in names if runnable(case, n, left_out) is None]
+    active = [n for n in names if runnable(case, n) is None]
     times: dict[str, list[float]] = {n: [] for n in active}
     for _ in range(warmup):
         for n in active:
@@ -196,7 +192,7 @@ def int8_runs_exact_kernel(case: Case) -> bool:
     return ops.int8_runs_exact_kernel(case.len_q, case.len_k, getattr(torch, case.dtype))
 
 
-def check_agreement(case: Case, left_out: tuple[str, ...] = ()) -> tuple[float, Optional[float]]:
+def check_agreement(case: Case, names=COMPETITORS) -> tuple[float, Optional[float]]:
     """Max |tiled - sdpa| on the case (a benchmark of a wrong kernel is worthless), and the
     lossy int8 kernel's relative L1 error against sdpa (None where it does not run)."""
     import torch
@@ -207,7 +203,7 @@ def check_agreement(case: Case, left_out: tuple[str, ...] = ()) -> tuple[float, 
         ref = fns["sdpa"](q, k, v).float()
         diff = fns["tiled"](q, k, v).float() - ref
         int8_error = None
-        if runnable(case, "int8", left_out) is None:
+        if "int8" in names and runnable(case, "int8") is None:
             int8_error = float((fns["int8"](q, k, v).float() - ref).abs().sum() / ref.abs().sum())
     return float(diff.abs().max()), int8_error
 
@@ -245,14 +241,14 @@ def measure_memory(case: Case, name: str, threads: int) -> Optional[int]:
 
 # --------------------------------------------------------------------------- machine
 # --------------------------------------------------------------------------- run + report
-def summarise(
-    case: Case, times: dict[str, list[float]], peak: float, left_out: tuple[str, ...] = ()
-) -> dict:
+def summarise(case: Case, times: dict[str, list[float]], peak: float) -> dict:
     row = {"case": case.name, "group": case.group, "dims": case.dims, "results": {}}
     sdpa_median = statistics.median(times["sdpa"]) if times.get("sdpa") else None
     for name in COMPETITORS:
         if name not in times:
-            row["results"][name] = {"skipped": runnable(case, name, left_out) or "not run"}
+            # not runnable on this case, or left out of the run (--skip)
+            reason = runnable(case, name) or f"skipped: left out (--skip {name})"
+            row["results"][name] = {"skipped": reason}
             continue
         t = sorted(times[name])
         median = statistics.median(t)
@@ -284,7 +280,7 @@ def run(args) -> dict:
     if args.filter:
         wanted = [w.strip().lower() for w in args.filter.split(",") if w.strip()]
         cases = [c for c in cases if any(w in c.name.lower() for w in wanted)]
-    left_out = tuple(getattr(args, "skip", None) or ())
+    competitors = tuple(n for n in COMPETITORS if n not in args.skip)
     info = machine_info(threads)
     report = {
         "machine": info,
@@ -292,17 +288,17 @@ def run(args) -> dict:
         "cases": [],
     }
     for case in tqdm(cases, desc="attention cases", unit="case"):
-        err, int8_error = check_agreement(case, left_out)
-        times = time_case(case, COMPETITORS, args.repeats, left_out=left_out)
-        row = summarise(case, times, info["peak_gflops"][case.dtype]["gflops"], left_out)
+        err, int8_error = check_agreement(case, competitors)
+        times = time_case(case, competitors, args.repeats)
+        row = summarise(case, times, info["peak_gflops"][case.dtype]["gflops"])
         row["max_abs_diff_tiled_vs_sdpa"] = err
         row["int8_relative_l1"] = int8_error
-        row["int8_runs_exact_kernel"] = "int8" not in left_out and int8_runs_exact_kernel(case)
+        row["int8_runs_exact_kernel"] = "int8" in competitors and int8_runs_exact_kernel(case)
         if not args.no_memory:
             row["memory"] = {
                 n: measure_memory(case, n, threads)
-                for n in COMPETITORS
-                if runnable(case, n, left_out) is None
+                for n in competitors
+                if runnable(case, n) is None
             }
         report["cases"].append(row)
     model_rows = [r for r in report["cases"] if r["group"] == "model"]

@@ -135,16 +135,14 @@ def machine_slug(
         from ..runtime import controls as _runtime
 
         model = _runtime.cpu_model()
-    if features is None:
+    if features is None or signature is None:
         from ..runtime.extension import _C
 
-        features = _C.cpu_info()["features"]  # already masked by NPU_ATTN_DISABLE_FEATURES
+        info = _C.cpu_info()
+        features = info["features"] if features is None else features  # masked already
+        signature = info["signature"] if signature is None else signature
     if masked is None:
         masked = bool(os.environ.get("NPU_ATTN_DISABLE_FEATURES", "").strip(" ,"))
-    if signature is None:
-        from ..runtime.extension import _C
-
-        signature = _C.cpu_info().get("signature", "")
     noise = r"\((?:r|tm|c)\)|\b(?:cpu|processor)\b|@\s*[\d.]+\s*[gm]hz|\b\d+-core\b"
     name = re.sub(noise, " ", model.lower())
     name = re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
