@@ -24,17 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from npu_attn.runtime.controls import cpu_identity
 from npu_attn.tools.bench import model_cases
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_model(ext) -> str:
-    """The CPU's brand string and CPUID signature, as build ``ext`` reads them (older builds
-    have no signature)."""
-    info = ext.cpu_info()
-    signature = info.get("signature", "")
-    return (info["model"] or "unknown CPU") + (f" ({signature})" if signature else "")
 
 
 def load_extension(path: str, alias: str):
@@ -188,7 +181,7 @@ def main(argv=None) -> int:
     builds = [load_extension(args.a, "npu_attn_ab_a"), load_extension(args.b, "npu_attn_ab_b")]
     pinned = dict(item.split("=", 1) for item in args.isa)
     pinned_a = dict(item.split("=", 1) for item in args.isa_a)
-    info = {"cpu": cpu_model(builds[1])}
+    info = {"cpu": cpu_identity()}
     kind = "backward" if args.backward else "int8 forward" if args.int8 else "forward"
     print(f"# A/B ({kind}): {args.a} vs {args.b}")
     print(
