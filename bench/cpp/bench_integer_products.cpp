@@ -36,14 +36,18 @@ void fma_loop(int64_t trips) {
 }
 constexpr double kFmaMacsPerTrip = 8 * 10 * 8;
 
+// One product (MUL) into a scratch register and its sum added into an accumulator (ADD), on
+// four independent register pairs.
+#define NPU_ATTN_PRODUCT_AND_SUM(MUL, ADD)                                  \
+  MUL " %%ymm14, %%ymm15, %%ymm0\n " ADD " %%ymm0, %%ymm8, %%ymm8\n " MUL   \
+      " %%ymm14, %%ymm15, %%ymm1\n " ADD " %%ymm1, %%ymm9, %%ymm9\n " MUL   \
+      " %%ymm14, %%ymm15, %%ymm2\n " ADD " %%ymm2, %%ymm10, %%ymm10\n " MUL \
+      " %%ymm14, %%ymm15, %%ymm3\n " ADD " %%ymm3, %%ymm11, %%ymm11\n"
+
 void words_loop(int64_t trips) {
   for (int64_t i = 0; i < trips; ++i)
-    asm volatile(
-        NPU_ATTN_REPEAT8("vpmaddwd %%ymm14, %%ymm15, %%ymm0\n vpaddd %%ymm0, %%ymm8, %%ymm8\n"
-                         "vpmaddwd %%ymm14, %%ymm15, %%ymm1\n vpaddd %%ymm1, %%ymm9, %%ymm9\n"
-                         "vpmaddwd %%ymm14, %%ymm15, %%ymm2\n vpaddd %%ymm2, %%ymm10, %%ymm10\n"
-                         "vpmaddwd %%ymm14, %%ymm15, %%ymm3\n vpaddd %%ymm3, %%ymm11, %%ymm11\n")::
-            : "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11");
+    asm volatile(NPU_ATTN_REPEAT8(NPU_ATTN_PRODUCT_AND_SUM("vpmaddwd", "vpaddd"))::
+                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11");
 }
 constexpr double kWordsMacsPerTrip = 8 * 4 * 16;
 
@@ -64,11 +68,7 @@ constexpr double kBytesMacsPerTrip = 8 * 4 * 32;
 
 void bytes_16bit_sums_loop(int64_t trips) {
   for (int64_t i = 0; i < trips; ++i)
-    asm volatile(NPU_ATTN_REPEAT8(
-                     "vpmaddubsw %%ymm14, %%ymm15, %%ymm0\n vpaddsw %%ymm0, %%ymm8, %%ymm8\n"
-                     "vpmaddubsw %%ymm14, %%ymm15, %%ymm1\n vpaddsw %%ymm1, %%ymm9, %%ymm9\n"
-                     "vpmaddubsw %%ymm14, %%ymm15, %%ymm2\n vpaddsw %%ymm2, %%ymm10, %%ymm10\n"
-                     "vpmaddubsw %%ymm14, %%ymm15, %%ymm3\n vpaddsw %%ymm3, %%ymm11, %%ymm11\n")::
+    asm volatile(NPU_ATTN_REPEAT8(NPU_ATTN_PRODUCT_AND_SUM("vpmaddubsw", "vpaddsw"))::
                      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm10", "xmm11");
 }
 
