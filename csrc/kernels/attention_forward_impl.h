@@ -355,48 +355,6 @@ void pack_key_tile(const AttentionParams& p, const Tiling& t, int64_t pair, int6
 // VAE mid-block shape (Dv 512, `avx2` variant, Zen 4 with AVX-512 off), with 16-key P*V passes:
 // 8-15% faster, results bit-identical (same summation order per element).
 
-// ---------------------------------------------------------------- block transpose
-// Shuffle masks for one stage of an in-register kLanes x kLanes transpose: with distance d,
-// rows i and i+d (i & d == 0) exchange their off-diagonal d-wide blocks. Stages d = kLanes/2,
-// ..., 1 together transpose the matrix (the classic recursive block transpose).
-template <int... I>
-struct LaneSeq {};
-template <int N, int... I>
-struct MakeLaneSeq : MakeLaneSeq<N - 1, N - 1, I...> {};
-template <int... I>
-struct MakeLaneSeq<0, I...> {
-  using type = LaneSeq<I...>;
-};
-
-template <int D, int... L>
-constexpr IVec low_mask(LaneSeq<L...>) {
-  return IVec{((L & D) ? kLanes + L - D : L)...};
-}
-template <int D, int... L>
-constexpr IVec high_mask(LaneSeq<L...>) {
-  return IVec{((L & D) ? kLanes + L : L + D)...};
-}
-
-template <int D>
-NPU_ATTN_VEC_INLINE void transpose_stage(Vec (&r)[kLanes]) {
-  if constexpr (D >= 1) {
-    constexpr IVec lo = low_mask<D>(typename MakeLaneSeq<kLanes>::type{});
-    constexpr IVec hi = high_mask<D>(typename MakeLaneSeq<kLanes>::type{});
-    for (int i = 0; i < kLanes; ++i) {
-      if (i & D) continue;
-      const Vec a = r[i], b = r[i + D];
-      r[i] = __builtin_shuffle(a, b, lo);
-      r[i + D] = __builtin_shuffle(a, b, hi);
-    }
-    transpose_stage<D / 2>(r);
-  }
-}
-
-// r[i][j] <- r[j][i]
-NPU_ATTN_VEC_INLINE void transpose_block(Vec (&r)[kLanes]) {
-  transpose_stage<kLanes / 2>(r);
-}
-
 template <typename T>
 void load_scaled_queries_transposed(const AttentionParams& p, const QueryTile& qt_tile,
                                     const Tiling& t, float* qt) {
