@@ -163,28 +163,21 @@ template <typename T>
 void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim,
                      int64_t first, int64_t count, float* dst) {
   const T* rows = src + first * row_stride;
-  int64_t c0 = 0;
-  if (col_stride == 1) {
-    const int64_t whole_rows = count / kLanes * kLanes;
-    for (; c0 + kLanes <= dim; c0 += kLanes) {
-      for (int64_t r0 = 0; r0 < whole_rows; r0 += kLanes) {
-        Vec block[kLanes];
-        for (int i = 0; i < kLanes; ++i)
-          block[i] = load_as_float(rows + (r0 + i) * row_stride + c0);
-        transpose_block(block);
-        for (int c = 0; c < kLanes; ++c) store(dst + (c0 + c) * kBwdBlockK + r0, block[c]);
-      }
-      for (int c = 0; c < kLanes; ++c) {
-        float* d = dst + (c0 + c) * kBwdBlockK;
-        for (int64_t r = whole_rows; r < count; ++r) d[r] = to_float(rows[r * row_stride + c0 + c]);
-        for (int64_t r = count; r < kBwdBlockK; ++r) d[r] = 0.0f;
-      }
+  // Channels [0, vec_dim) x rows [0, vec_rows) in blocks; the rest of each row one by one.
+  const int64_t vec_dim = col_stride == 1 ? dim / kLanes * kLanes : 0;
+  const int64_t vec_rows = count / kLanes * kLanes;
+  for (int64_t c0 = 0; c0 < vec_dim; c0 += kLanes) {
+    for (int64_t r0 = 0; r0 < vec_rows; r0 += kLanes) {
+      Vec block[kLanes];
+      for (int i = 0; i < kLanes; ++i) block[i] = load_as_float(rows + (r0 + i) * row_stride + c0);
+      transpose_block(block);
+      for (int c = 0; c < kLanes; ++c) store(dst + (c0 + c) * kBwdBlockK + r0, block[c]);
     }
   }
-  for (int64_t c = c0; c < dim; ++c) {
+  for (int64_t c = 0; c < dim; ++c) {
     float* d = dst + c * kBwdBlockK;
     const T* s = rows + c * col_stride;
-    for (int64_t r = 0; r < count; ++r) d[r] = to_float(s[r * row_stride]);
+    for (int64_t r = c < vec_dim ? vec_rows : 0; r < count; ++r) d[r] = to_float(s[r * row_stride]);
     for (int64_t r = count; r < kBwdBlockK; ++r) d[r] = 0.0f;
   }
 }
@@ -213,9 +206,7 @@ void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* del
       Vec acc = splat(0.0f);
       for (; c + kLanes <= p.head_dim_v; c += kLanes)
         acc += load_as_float(oi + c) * load_as_float(gi + c);
-      float lanes[kLanes];
-      store(lanes, acc);
-      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+      sum = sum_lanes(acc);
     }
     for (; c < p.head_dim_v; ++c)
       sum += to_float(oi[c * p.out_stride[3]]) * to_float(gi[c * bp.grad_out_stride[3]]);

@@ -314,11 +314,6 @@ NPU_ATTN_VEC_INLINE float max_lane(Vec x) {
   for (int i = 0; i < kLanes; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
-NPU_ATTN_VEC_INLINE float sum_lanes(Vec x) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += x[i];
-  return s;
-}
 
 // The channel factors c_d of one (batch, kv-head) pair from its queries (every q-head of its
 // GQA group), into `factors`: sqrt(max|q_d| / mean_d max|q_d|); 1 where Q is all zero.

@@ -249,6 +249,13 @@ NPU_ATTN_VEC_INLINE void store_from_float(T* p, Vec v) {
   }
 }
 
+// The lanes' sum, lane 0 first (a fixed order: deterministic on one ISA).
+NPU_ATTN_VEC_INLINE float sum_lanes(Vec x) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += x[i];
+  return s;
+}
+
 // ---------------------------------------------------------------- block transpose
 // Shuffle masks for one stage of an in-register kLanes x kLanes transpose: with distance d,
 // rows i and i+d (i & d == 0) exchange their off-diagonal d-wide blocks. Stages d = kLanes/2,
