@@ -86,6 +86,7 @@ inline void transpose_words(const uint32_t* src, int64_t rows, int64_t cols, uin
 
 struct AmxTileBackward {
   typedef AmxBackwardScratch Scratch;
+  static int64_t block_q(const AttentionParams&) { return kBwdBlockQ; }
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return pair_backward_scratch_floats(plan, tile_words_of(bp.fwd.head_dim),

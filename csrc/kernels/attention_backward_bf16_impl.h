@@ -114,6 +114,7 @@ inline PairBackwardScratch carve_pair_backward_scratch(const BackwardPlan& plan,
 
 struct PairTileBackward {
   typedef PairBackwardScratch Scratch;
+  static int64_t block_q(const AttentionParams&) { return kBwdBlockQ; }
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return pair_backward_scratch_floats(plan, words_of(bp.fwd.head_dim),

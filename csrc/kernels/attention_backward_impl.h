@@ -50,7 +50,7 @@
 namespace npu_attn {
 namespace {
 
-constexpr int64_t kBwdBlockQ = 64;  // queries per tile
+constexpr int64_t kBwdBlockQ = 64;  // queries per tile (the float32 kernel: BackwardPlan::block_q)
 constexpr int64_t kBwdBlockK = 64;  // keys per tile (a multiple of every kLanes)
 // From this head dim the three accumulating products (dV, dK, dQ) walk their register blocks
 // rows-outer (vec_impl.h's BlockOrder): each row block's A rows stay in L1 while B streams past.
@@ -69,6 +69,25 @@ bool accumulate_rows_outer(const AttentionParams& p) {
   return p.head_dim >= kBwdRowsOuterMinDim || p.head_dim_v >= kBwdRowsOuterMinDim;
 }
 
+// Queries per tile of the float32 kernel: 128 at head dim 128 with 256-bit vectors, else
+// kBwdBlockQ. dV += P^T dO and dK += dS^T Q are as deep as the query tile; at head dim 128 their
+// 64-key accumulators (32 KiB each) no longer fit L1 beside their operands, and 128 queries
+// reload and store them half as often per multiply-add (the sums run in the same order: outputs
+// bit-identical). A/B on Zen 3 (AVX2, 2 threads, float32, 5-7 rounds, four runs in both orders):
+// Flux and HiDream (head dim 128) 0.88-1.01x and 0.94-0.99x the time (about 0.96x each). Not
+// elsewhere: SD-1.5 16x16 (head dim 160) 0.996-1.031x, head dims 40-80 1.00-1.06x (SD3,
+// SD-1.5 64x64 and SD2.1 48x48 slower in three of four runs), and 1.10x at 512 (the VAE),
+// where 128 Q and dO rows fill L2. Not measured with AVX-512, which keeps 64.
+constexpr int64_t kBwdWideQueryTileMinDim = 128;
+constexpr int64_t kBwdWideQueryTileMaxDim = 128;
+
+int64_t float_backward_block_q(const AttentionParams& p) {
+  const int64_t lo = min_i64(p.head_dim, p.head_dim_v), hi = max_i64(p.head_dim, p.head_dim_v);
+  const bool wide =
+      kVecBytes == 32 && lo >= kBwdWideQueryTileMinDim && hi <= kBwdWideQueryTileMaxDim;
+  return wide ? 2 * kBwdBlockQ : kBwdBlockQ;
+}
+
 // ---------------------------------------------------------------- plan
 struct BackwardPlan {
   int64_t group;      // q-heads per kv-head
@@ -79,12 +98,14 @@ struct BackwardPlan {
   int64_t dim_pad;    // head_dim rounded up to whole vectors
   int64_t dim_v_pad;  // head_dim_v rounded up to whole vectors
   int64_t dq_floats;  // one item's private dQ: group * len_q * dim_pad
+  int64_t block_q;    // queries per tile: the tile kernel's choice
   int threads;
 };
 
-BackwardPlan plan_backward(const AttentionBackwardParams& bp) {
+BackwardPlan plan_backward(const AttentionBackwardParams& bp, int64_t block_q) {
   const AttentionParams& p = bp.fwd;
   BackwardPlan plan{};
+  plan.block_q = block_q;
   plan.group = p.heads_q / p.heads_kv;
   plan.pairs = p.batch * p.heads_kv;
   plan.key_tiles = ceil_div(p.len_k, kBwdBlockK);
@@ -110,16 +131,16 @@ struct BackwardScratch {
   float* k_rows;   // kBwdBlockK x dim_pad: K rows, zero-padded
   float* dk;       // kBwdBlockK x dim_pad: dK accumulator of the key tile
   float* dv;       // kBwdBlockK x dim_v_pad: dV accumulator of the key tile
-  float* q_rows;   // kBwdBlockQ x dim_pad: scale * Q rows, zero-padded
-  float* do_rows;  // kBwdBlockQ x dim_v_pad: dO rows, zero-padded
-  float* probs;    // kBwdBlockQ x kBwdBlockK: P
-  float* dscores;  // kBwdBlockQ x kBwdBlockK: dP, then dS
+  float* q_rows;   // block_q x dim_pad: scale * Q rows, zero-padded
+  float* do_rows;  // block_q x dim_v_pad: dO rows, zero-padded
+  float* probs;    // block_q x kBwdBlockK: P
+  float* dscores;  // block_q x kBwdBlockK: dP, then dS
 };
 
 int64_t backward_scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
   const int64_t d = bp.fwd.head_dim, dv = bp.fwd.head_dim_v;
   return kBwdBlockK * (d + dv + 2 * plan.dim_pad + plan.dim_v_pad) +
-         kBwdBlockQ * (plan.dim_pad + plan.dim_v_pad + 2 * kBwdBlockK);
+         plan.block_q * (plan.dim_pad + plan.dim_v_pad + 2 * kBwdBlockK);
 }
 
 BackwardScratch carve_backward_scratch(const AttentionBackwardParams& bp, const BackwardPlan& plan,
@@ -131,9 +152,9 @@ BackwardScratch carve_backward_scratch(const AttentionBackwardParams& bp, const 
   s.dk = s.k_rows + kBwdBlockK * plan.dim_pad;
   s.dv = s.dk + kBwdBlockK * plan.dim_pad;
   s.q_rows = s.dv + kBwdBlockK * plan.dim_v_pad;
-  s.do_rows = s.q_rows + kBwdBlockQ * plan.dim_pad;
-  s.probs = s.do_rows + kBwdBlockQ * plan.dim_v_pad;
-  s.dscores = s.probs + kBwdBlockQ * kBwdBlockK;
+  s.do_rows = s.q_rows + plan.block_q * plan.dim_pad;
+  s.probs = s.do_rows + plan.block_q * plan.dim_v_pad;
+  s.dscores = s.probs + plan.block_q * kBwdBlockK;
   return s;
 }
 
@@ -328,6 +349,7 @@ void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, flo
 // in run_backward's items through this interface.
 struct FloatTileBackward {
   typedef BackwardScratch Scratch;
+  static int64_t block_q(const AttentionParams& p) { return float_backward_block_q(p); }
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return backward_scratch_floats(bp, plan);
   }
@@ -377,11 +399,11 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
     fill_zero(s.dk, kBwdBlockK * plan.dim_pad);
     fill_zero(s.dv, kBwdBlockK * plan.dim_v_pad);
     // Causal: queries before k0 see none of these keys.
-    const int64_t first_q = p.is_causal ? min_i64(p.len_q, t.k0) / kBwdBlockQ * kBwdBlockQ : 0;
+    const int64_t first_q = p.is_causal ? min_i64(p.len_q, t.k0) / plan.block_q * plan.block_q : 0;
     for (int64_t g = 0; g < plan.group; ++g) {
       t.head = t.hkv * plan.group + g;
-      for (t.q0 = first_q; t.q0 < p.len_q; t.q0 += kBwdBlockQ) {
-        t.rows = min_i64(kBwdBlockQ, p.len_q - t.q0);
+      for (t.q0 = first_q; t.q0 < p.len_q; t.q0 += plan.block_q) {
+        t.rows = min_i64(plan.block_q, p.len_q - t.q0);
         float* dq_rows = dq_private + (g * p.len_q + t.q0) * plan.dim_pad;
         Kernel::template tile<T>(bp, plan, t, delta, s, dq_rows);
       }
@@ -438,7 +460,7 @@ template <typename T, typename Kernel>
 void run_backward(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   if (p.batch == 0 || p.heads_q == 0) return;
-  const BackwardPlan plan = plan_backward(bp);
+  const BackwardPlan plan = plan_backward(bp, Kernel::block_q(p));
   const int64_t per_thread = round_up(Kernel::scratch_floats(bp, plan), 16);
   // Private dQ: one per thread when each pair is one item, else one per item (summed later).
   const int64_t dq_buffers = plan.splits == 1 ? plan.threads : plan.items;

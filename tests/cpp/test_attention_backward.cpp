@@ -114,6 +114,10 @@ TEST_P(BackwardEveryIsa, MatchesReferenceWithMasksAndCausal) {
       {1, 2, 2, 130, 77, 40, 40},
       {1, 1, 1, 300, 90, 59, 59},  // Lq > Lk with causal: top-left alignment
       {1, 2, 2, 5, 200, 32, 32},   // Lq < Lk
+      // Head dim 128, where the AVX2 float32 kernel takes 128-query tiles: several of them, the
+      // last partial, GQA 2:1, causal with Lq > Lk and Lq < Lk
+      {1, 2, 1, 300, 260, 128, 128},
+      {2, 1, 1, 140, 150, 128, 128},
   };
   for (Case c : bases) {
     for (MaskCase m :
