@@ -78,13 +78,11 @@ bool accumulate_rows_outer(const AttentionParams& p) {
 // elsewhere: SD-1.5 16x16 (head dim 160) 0.996-1.031x, head dims 40-80 1.00-1.06x (SD3,
 // SD-1.5 64x64 and SD2.1 48x48 slower in three of four runs), and 1.10x at 512 (the VAE),
 // where 128 Q and dO rows fill L2. Not measured with AVX-512, which keeps 64.
-constexpr int64_t kBwdWideQueryTileMinDim = 128;
-constexpr int64_t kBwdWideQueryTileMaxDim = 128;
+constexpr int64_t kBwdWideQueryTileDim = 128;
 
 int64_t float_backward_block_q(const AttentionParams& p) {
-  const int64_t lo = min_i64(p.head_dim, p.head_dim_v), hi = max_i64(p.head_dim, p.head_dim_v);
   const bool wide =
-      kVecBytes == 32 && lo >= kBwdWideQueryTileMinDim && hi <= kBwdWideQueryTileMaxDim;
+      kVecBytes == 32 && p.head_dim == kBwdWideQueryTileDim && p.head_dim_v == kBwdWideQueryTileDim;
   return wide ? 2 * kBwdBlockQ : kBwdBlockQ;
 }
 
