@@ -87,6 +87,7 @@ inline void transpose_words(const uint32_t* src, int64_t rows, int64_t cols, uin
 struct AmxTileBackward {
   typedef AmxBackwardScratch Scratch;
   static int64_t block_q(const AttentionParams&) { return kBwdBlockQ; }
+  static int64_t block_k(const AttentionParams&) { return kBwdBlockK; }
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return pair_backward_scratch_floats(plan, tile_words_of(bp.fwd.head_dim),
@@ -182,10 +183,10 @@ struct AmxTileBackward {
     TileCoords all_keys = t;
     all_keys.key_vecs = kBwdBlockK / kLanes;
     scale_scores(all_keys, p.scale, s.probs);
-    if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, s.probs);
-    scores_to_probs(p, all_keys, s.probs);
-    probs_to_dscores(all_keys, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs,
-                     s.dscores);
+    if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, kBwdBlockK, s.probs);
+    scores_to_probs(p, all_keys, kBwdBlockK, s.probs);
+    probs_to_dscores(all_keys, kBwdBlockK, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0,
+                     s.probs, s.dscores);
     round_probs_and_dscores(t, s);
     // dV += P^T dO;  dK += dS^T Q;  dQ += dS K   (scale applied when dK and dQ are written)
     tile_product<true>(s.pt_words, kBwdBlockQ / 2, s.do_pairs, plan.dim_v_pad, kBwdBlockK,

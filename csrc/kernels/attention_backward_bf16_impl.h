@@ -115,6 +115,7 @@ inline PairBackwardScratch carve_pair_backward_scratch(const BackwardPlan& plan,
 struct PairTileBackward {
   typedef PairBackwardScratch Scratch;
   static int64_t block_q(const AttentionParams&) { return kBwdBlockQ; }
+  static int64_t block_k(const AttentionParams&) { return kBwdBlockK; }
 
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return pair_backward_scratch_floats(plan, words_of(bp.fwd.head_dim),
@@ -168,10 +169,10 @@ struct PairTileBackward {
     pair_dot<ALayout::kRowMajor, false>(dow, vw, s.vt_pairs, kBwdBlockK, vw, t.rows, t.key_vecs,
                                         s.dscores, kBwdBlockK);
     scale_scores(t, p.scale, s.probs);
-    if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, s.probs);
-    scores_to_probs(p, t, s.probs);
-    probs_to_dscores(t, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs,
-                     s.dscores);
+    if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, kBwdBlockK, s.probs);
+    scores_to_probs(p, t, kBwdBlockK, s.probs);
+    probs_to_dscores(t, kBwdBlockK, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0,
+                     s.probs, s.dscores);
     round_row_pairs(s.probs, t.rows, t.key_vecs, s.p_pairs);
     round_row_pairs(s.dscores, t.rows, t.key_vecs, s.ds_pairs);
     round_row_words(s.dscores, t.rows, t.key_vecs, s.ds_words);

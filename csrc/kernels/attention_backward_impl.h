@@ -51,7 +51,7 @@ namespace npu_attn {
 namespace {
 
 constexpr int64_t kBwdBlockQ = 64;  // queries per tile (the float32 kernel: BackwardPlan::block_q)
-constexpr int64_t kBwdBlockK = 64;  // keys per tile (a multiple of every kLanes)
+constexpr int64_t kBwdBlockK = 64;  // keys per tile (the float32 kernel: BackwardPlan::block_k)
 // From this head dim the three accumulating products (dV, dK, dQ) walk their register blocks
 // rows-outer (vec_impl.h's BlockOrder): each row block's A rows stay in L1 while B streams past.
 // With columns outer, a column group's B slice is one line of every 2 KiB row at head dim 512,
@@ -86,27 +86,43 @@ int64_t float_backward_block_q(const AttentionParams& p) {
   return wide ? 2 * kBwdBlockQ : kBwdBlockQ;
 }
 
+// Keys per tile of the float32 kernel: one tile of them all when 65-128 keys (the 77 of a text
+// encoder's cross-attention), with 256-bit vectors, else kBwdBlockK. With 64-key tiles the last
+// 13 of 77 keys took a tile of their own: a whole pass of packing, two score products and a
+// dQ product over every query, for a sixth of the keys (the sums run in the same order: outputs
+// bit-identical). A/B on Zen 3 (AVX2, 2 threads, float32, 5 rounds, both orders): SD-1.5 cross
+// 64x64 (4096 queries, 77 keys, head dim 40) 0.89-0.92x the time. 128-key tiles on long key
+// sequences were not kept: head dim 40 (SD-1.5 64x64) 1.06x in both orders, 64-160 0.93-1.03x.
+constexpr int64_t kBwdOneTileMaxKeys = 2 * kBwdBlockK;
+
+int64_t float_backward_block_k(const AttentionParams& p) {
+  const bool one_tile = kVecBytes == 32 && p.len_k > kBwdBlockK && p.len_k <= kBwdOneTileMaxKeys;
+  return one_tile ? kBwdOneTileMaxKeys : kBwdBlockK;
+}
+
 // ---------------------------------------------------------------- plan
 struct BackwardPlan {
   int64_t group;      // q-heads per kv-head
   int64_t pairs;      // batch * heads_kv
-  int64_t key_tiles;  // ceil(len_k / kBwdBlockK)
+  int64_t key_tiles;  // ceil(len_k / block_k)
   int64_t splits;     // items per pair (key tiles divided between them)
   int64_t items;      // pairs * splits
   int64_t dim_pad;    // head_dim rounded up to whole vectors
   int64_t dim_v_pad;  // head_dim_v rounded up to whole vectors
   int64_t dq_floats;  // one item's private dQ: group * len_q * dim_pad
   int64_t block_q;    // queries per tile: the tile kernel's choice
+  int64_t block_k;    // keys per tile (a multiple of every kLanes): the tile kernel's choice
   int threads;
 };
 
-BackwardPlan plan_backward(const AttentionBackwardParams& bp, int64_t block_q) {
+BackwardPlan plan_backward(const AttentionBackwardParams& bp, int64_t block_q, int64_t block_k) {
   const AttentionParams& p = bp.fwd;
   BackwardPlan plan{};
   plan.block_q = block_q;
+  plan.block_k = block_k;
   plan.group = p.heads_q / p.heads_kv;
   plan.pairs = p.batch * p.heads_kv;
-  plan.key_tiles = ceil_div(p.len_k, kBwdBlockK);
+  plan.key_tiles = ceil_div(p.len_k, block_k);
   plan.dim_pad = round_up(max_i64(p.head_dim, 1), kLanes);
   plan.dim_v_pad = round_up(max_i64(p.head_dim_v, 1), kLanes);
   plan.dq_floats = plan.group * p.len_q * plan.dim_pad;
@@ -124,35 +140,35 @@ BackwardPlan plan_backward(const AttentionBackwardParams& bp, int64_t block_q) {
 
 // ---------------------------------------------------------------- per-thread scratch
 struct BackwardScratch {
-  float* kt;       // head_dim x kBwdBlockK: K^T of the key tile, zero in padding keys
-  float* vt;       // head_dim_v x kBwdBlockK: V^T of the key tile, zero in padding keys
-  float* k_rows;   // kBwdBlockK x dim_pad: K rows, zero-padded
-  float* dk;       // kBwdBlockK x dim_pad: dK accumulator of the key tile
-  float* dv;       // kBwdBlockK x dim_v_pad: dV accumulator of the key tile
+  float* kt;       // head_dim x block_k: K^T of the key tile, zero in padding keys
+  float* vt;       // head_dim_v x block_k: V^T of the key tile, zero in padding keys
+  float* k_rows;   // block_k x dim_pad: K rows, zero-padded
+  float* dk;       // block_k x dim_pad: dK accumulator of the key tile
+  float* dv;       // block_k x dim_v_pad: dV accumulator of the key tile
   float* q_rows;   // block_q x dim_pad: scale * Q rows, zero-padded
   float* do_rows;  // block_q x dim_v_pad: dO rows, zero-padded
-  float* probs;    // block_q x kBwdBlockK: P
-  float* dscores;  // block_q x kBwdBlockK: dP, then dS
+  float* probs;    // block_q x block_k: P
+  float* dscores;  // block_q x block_k: dP, then dS
 };
 
 int64_t backward_scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
   const int64_t d = bp.fwd.head_dim, dv = bp.fwd.head_dim_v;
-  return kBwdBlockK * (d + dv + 2 * plan.dim_pad + plan.dim_v_pad) +
-         plan.block_q * (plan.dim_pad + plan.dim_v_pad + 2 * kBwdBlockK);
+  return plan.block_k * (d + dv + 2 * plan.dim_pad + plan.dim_v_pad) +
+         plan.block_q * (plan.dim_pad + plan.dim_v_pad + 2 * plan.block_k);
 }
 
 BackwardScratch carve_backward_scratch(const AttentionBackwardParams& bp, const BackwardPlan& plan,
                                        float* base) {
   BackwardScratch s{};
   s.kt = base;
-  s.vt = s.kt + bp.fwd.head_dim * kBwdBlockK;
-  s.k_rows = s.vt + bp.fwd.head_dim_v * kBwdBlockK;
-  s.dk = s.k_rows + kBwdBlockK * plan.dim_pad;
-  s.dv = s.dk + kBwdBlockK * plan.dim_pad;
-  s.q_rows = s.dv + kBwdBlockK * plan.dim_v_pad;
+  s.vt = s.kt + bp.fwd.head_dim * plan.block_k;
+  s.k_rows = s.vt + bp.fwd.head_dim_v * plan.block_k;
+  s.dk = s.k_rows + plan.block_k * plan.dim_pad;
+  s.dv = s.dk + plan.block_k * plan.dim_pad;
+  s.q_rows = s.dv + plan.block_k * plan.dim_v_pad;
   s.do_rows = s.q_rows + plan.block_q * plan.dim_pad;
   s.probs = s.do_rows + plan.block_q * plan.dim_v_pad;
-  s.dscores = s.probs + plan.block_q * kBwdBlockK;
+  s.dscores = s.probs + plan.block_q * plan.block_k;
   return s;
 }
 
@@ -174,13 +190,13 @@ void pack_padded_rows(const T* src, int64_t row_stride, int64_t col_stride, int6
   }
 }
 
-// The same rows transposed into a (dim x kBwdBlockK) matrix, zeros after `count` columns.
+// The same rows transposed into a (dim x ld) matrix, zeros after `count` columns.
 // Where the head dim is contiguous, whole kLanes x kLanes blocks go through registers
 // (transpose_block): the scalar gather, one strided load per element, took ~19% of a float32
 // backward at SD-1.5 8x8 (64 tokens, head dim 160), where K^T and V^T serve one query tile.
 template <typename T>
 void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64_t dim,
-                     int64_t first, int64_t count, float* dst) {
+                     int64_t first, int64_t count, int64_t ld, float* dst) {
   const T* rows = src + first * row_stride;
   // Channels [0, vec_dim) x rows [0, vec_rows) in blocks; the rest of each row one by one.
   const int64_t vec_dim = col_stride == 1 ? dim / kLanes * kLanes : 0;
@@ -190,14 +206,14 @@ void pack_transposed(const T* src, int64_t row_stride, int64_t col_stride, int64
       Vec block[kLanes];
       for (int i = 0; i < kLanes; ++i) block[i] = load_as_float(rows + (r0 + i) * row_stride + c0);
       transpose_block(block);
-      for (int c = 0; c < kLanes; ++c) store(dst + (c0 + c) * kBwdBlockK + r0, block[c]);
+      for (int c = 0; c < kLanes; ++c) store(dst + (c0 + c) * ld + r0, block[c]);
     }
   }
   for (int64_t c = 0; c < dim; ++c) {
-    float* d = dst + c * kBwdBlockK;
+    float* d = dst + c * ld;
     const T* s = rows + c * col_stride;
     for (int64_t r = c < vec_dim ? vec_rows : 0; r < count; ++r) d[r] = to_float(s[r * row_stride]);
-    for (int64_t r = count; r < kBwdBlockK; ++r) d[r] = 0.0f;
+    for (int64_t r = count; r < ld; ++r) d[r] = 0.0f;
   }
 }
 
@@ -237,11 +253,12 @@ void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* del
   }
 }
 
-// Adds the user's mask (and causal masking) to the scores of one tile: row i = query q0 + i.
-void mask_scores(const AttentionParams& p, const TileCoords& t, float* s) {
+// Adds the user's mask (and causal masking) to the scores of one tile: row i = query q0 + i,
+// rows `ld` floats apart.
+void mask_scores(const AttentionParams& p, const TileCoords& t, int64_t ld, float* s) {
   const int64_t* ms = p.mask_stride;
   for (int64_t i = 0; i < t.rows; ++i) {
-    float* row = s + i * kBwdBlockK;
+    float* row = s + i * ld;
     if (p.mask_kind != MaskKind::kNone) {
       const int64_t off = t.batch * ms[0] + t.head * ms[1] + (t.q0 + i) * ms[2] + t.k0 * ms[3];
       if (p.mask_kind == MaskKind::kAdditive) {
@@ -260,10 +277,10 @@ void mask_scores(const AttentionParams& p, const TileCoords& t, float* s) {
 
 // Scores -> probabilities in place: P = exp(S - lse); zero for padding keys and for queries
 // whose keys are all masked (lse = -inf, output 0 in the forward, so no gradient).
-void scores_to_probs(const AttentionParams& p, const TileCoords& t, float* s) {
+void scores_to_probs(const AttentionParams& p, const TileCoords& t, int64_t ld, float* s) {
   const float* lse = p.lse + t.batch * p.lse_stride[0] + t.head * p.lse_stride[1];
   for (int64_t i = 0; i < t.rows; ++i) {
-    float* row = s + i * kBwdBlockK;
+    float* row = s + i * ld;
     const float row_lse = lse[(t.q0 + i) * p.lse_stride[2]];
     if (row_lse == kNegInf) {
       fill_zero(row, t.key_vecs * kLanes);
@@ -277,11 +294,12 @@ void scores_to_probs(const AttentionParams& p, const TileCoords& t, float* s) {
 }
 
 // dS = P o (dP - Delta), in place over dP.
-void probs_to_dscores(const TileCoords& t, const float* delta_rows, const float* probs, float* ds) {
+void probs_to_dscores(const TileCoords& t, int64_t ld, const float* delta_rows, const float* probs,
+                      float* ds) {
   for (int64_t i = 0; i < t.rows; ++i) {
     const Vec d = splat(delta_rows[i]);
-    const float* pr = probs + i * kBwdBlockK;
-    float* row = ds + i * kBwdBlockK;
+    const float* pr = probs + i * ld;
+    float* row = ds + i * ld;
     for (int64_t j = 0; j < t.key_vecs * kLanes; j += kLanes)
       store(row + j, load(pr + j) * (load(row + j) - d));
   }
@@ -292,13 +310,13 @@ void probs_to_dscores(const TileCoords& t, const float* delta_rows, const float*
 template <BlockOrder Order>
 void accumulate_products_in(const BackwardPlan& plan, const TileCoords& t, BackwardScratch& s,
                             float* dq_rows) {
-  broadcast_fma<ALayout::kColMajor, true, Order>(s.probs, kBwdBlockK, s.do_rows, plan.dim_v_pad,
+  broadcast_fma<ALayout::kColMajor, true, Order>(s.probs, plan.block_k, s.do_rows, plan.dim_v_pad,
                                                  t.rows, t.keys, plan.dim_v_pad / kLanes, s.dv,
                                                  plan.dim_v_pad);
-  broadcast_fma<ALayout::kColMajor, true, Order>(s.dscores, kBwdBlockK, s.q_rows, plan.dim_pad,
+  broadcast_fma<ALayout::kColMajor, true, Order>(s.dscores, plan.block_k, s.q_rows, plan.dim_pad,
                                                  t.rows, t.keys, plan.dim_pad / kLanes, s.dk,
                                                  plan.dim_pad);
-  broadcast_fma<ALayout::kRowMajor, true, Order>(s.dscores, kBwdBlockK, s.k_rows, plan.dim_pad,
+  broadcast_fma<ALayout::kRowMajor, true, Order>(s.dscores, plan.block_k, s.k_rows, plan.dim_pad,
                                                  t.keys, t.rows, plan.dim_pad / kLanes, dq_rows,
                                                  plan.dim_pad);
 }
@@ -316,13 +334,15 @@ void backward_tile(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
   pack_padded_rows(g, bp.grad_out_stride[2], bp.grad_out_stride[3], p.head_dim_v, t.q0, t.rows,
                    1.0f, plan.dim_v_pad, s.do_rows);
   // S = (scale Q) K^T  and  dP = dO V^T   (rows: queries, columns: keys)
-  broadcast_fma<ALayout::kRowMajor, false>(s.q_rows, plan.dim_pad, s.kt, kBwdBlockK, p.head_dim,
-                                           t.rows, t.key_vecs, s.probs, kBwdBlockK);
-  broadcast_fma<ALayout::kRowMajor, false>(s.do_rows, plan.dim_v_pad, s.vt, kBwdBlockK,
-                                           p.head_dim_v, t.rows, t.key_vecs, s.dscores, kBwdBlockK);
-  if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, s.probs);
-  scores_to_probs(p, t, s.probs);
-  probs_to_dscores(t, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs, s.dscores);
+  const int64_t ld = plan.block_k;
+  broadcast_fma<ALayout::kRowMajor, false>(s.q_rows, plan.dim_pad, s.kt, ld, p.head_dim, t.rows,
+                                           t.key_vecs, s.probs, ld);
+  broadcast_fma<ALayout::kRowMajor, false>(s.do_rows, plan.dim_v_pad, s.vt, ld, p.head_dim_v,
+                                           t.rows, t.key_vecs, s.dscores, ld);
+  if (p.mask_kind != MaskKind::kNone || p.is_causal) mask_scores(p, t, ld, s.probs);
+  scores_to_probs(p, t, ld, s.probs);
+  probs_to_dscores(t, ld, delta + (t.batch * p.heads_q + t.head) * p.len_q + t.q0, s.probs,
+                   s.dscores);
   // dV += P^T dO;  dK += dS^T (scale Q);  dQ += dS K   (scale applied when dQ is written)
   if (accumulate_rows_outer(p)) {
     accumulate_products_in<BlockOrder::kRowBlocksOuter>(plan, t, s, dq_rows);
@@ -348,6 +368,7 @@ void write_rows(const float* acc, int64_t padded, int64_t rows, int64_t dim, flo
 struct FloatTileBackward {
   typedef BackwardScratch Scratch;
   static int64_t block_q(const AttentionParams& p) { return float_backward_block_q(p); }
+  static int64_t block_k(const AttentionParams& p) { return float_backward_block_k(p); }
   static int64_t scratch_floats(const AttentionBackwardParams& bp, const BackwardPlan& plan) {
     return backward_scratch_floats(bp, plan);
   }
@@ -363,8 +384,9 @@ struct FloatTileBackward {
   static void pack_keys(const AttentionBackwardParams& bp, const BackwardPlan& plan,
                         const TileCoords& t, const T* k, const T* v, Scratch& s) {
     const AttentionParams& p = bp.fwd;
-    pack_transposed(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, s.kt);
-    pack_transposed(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, s.vt);
+    pack_transposed(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, plan.block_k, s.kt);
+    pack_transposed(v, p.v_stride[2], p.v_stride[3], p.head_dim_v, t.k0, t.keys, plan.block_k,
+                    s.vt);
     pack_padded_rows(k, p.k_stride[2], p.k_stride[3], p.head_dim, t.k0, t.keys, 1.0f, plan.dim_pad,
                      s.k_rows);
   }
@@ -390,12 +412,12 @@ void backward_item(const AttentionBackwardParams& bp, const BackwardPlan& plan, 
   const T* v = static_cast<const T*>(p.v) + t.batch * p.v_stride[0] + t.hkv * p.v_stride[1];
   fill_zero(dq_private, plan.dq_floats);
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    t.k0 = tile * kBwdBlockK;
-    t.keys = min_i64(kBwdBlockK, p.len_k - t.k0);
+    t.k0 = tile * plan.block_k;
+    t.keys = min_i64(plan.block_k, p.len_k - t.k0);
     t.key_vecs = ceil_div(t.keys, kLanes);
     Kernel::template pack_keys<T>(bp, plan, t, k, v, s);
-    fill_zero(s.dk, kBwdBlockK * plan.dim_pad);
-    fill_zero(s.dv, kBwdBlockK * plan.dim_v_pad);
+    fill_zero(s.dk, plan.block_k * plan.dim_pad);
+    fill_zero(s.dv, plan.block_k * plan.dim_v_pad);
     // Causal: queries before k0 see none of these keys.
     const int64_t first_q = p.is_causal ? min_i64(p.len_q, t.k0) / plan.block_q * plan.block_q : 0;
     for (int64_t g = 0; g < plan.group; ++g) {
@@ -458,7 +480,7 @@ template <typename T, typename Kernel>
 void run_backward(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   if (p.batch == 0 || p.heads_q == 0) return;
-  const BackwardPlan plan = plan_backward(bp, Kernel::block_q(p));
+  const BackwardPlan plan = plan_backward(bp, Kernel::block_q(p), Kernel::block_k(p));
   const int64_t per_thread = round_up(Kernel::scratch_floats(bp, plan), 16);
   // Private dQ: one per thread when each pair is one item, else one per item (summed later).
   const int64_t dq_buffers = plan.splits == 1 ? plan.threads : plan.items;

@@ -90,6 +90,8 @@ TEST_P(BackwardEveryIsa, MatchesReferenceOnShapeGrid) {
   cases.push_back({1, 3, 3, 1, 300, 40, 40});    // one query, many keys
   cases.push_back({1, 2, 2, 300, 1, 40, 40});    // many queries, one key
   cases.push_back({2, 2, 2, 520, 330, 64, 64});  // several tiles both ways
+  // Around the key counts where the AVX2 float32 kernel takes one tile of 65-128 keys
+  for (int64_t keys : {64, 65, 128, 129}) cases.push_back({1, 2, 2, 70, keys, 40, 40});
   cases.push_back({1, 2, 2, 100, 100, 64, 40});  // Dv != D
   cases.push_back({1, 2, 2, 100, 100, 40, 130});
   cases.push_back({1, 8, 2, 90, 120, 64, 64});  // GQA 4:1
@@ -118,6 +120,8 @@ TEST_P(BackwardEveryIsa, MatchesReferenceWithMasksAndCausal) {
       // last partial, GQA 2:1, causal with Lq > Lk and Lq < Lk
       {1, 2, 1, 300, 260, 128, 128},
       {2, 1, 1, 140, 150, 128, 128},
+      // 128-query tiles over one tile of all 128 keys (AVX2 float32), GQA 2:1, Lq > Lk
+      {1, 2, 1, 200, 128, 128, 128},
   };
   for (Case c : bases) {
     for (MaskCase m :
