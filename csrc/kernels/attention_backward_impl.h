@@ -90,9 +90,10 @@ int64_t float_backward_block_q(const AttentionParams& p) {
 // encoder's cross-attention), with 256-bit vectors, else kBwdBlockK. With 64-key tiles the last
 // 13 of 77 keys took a tile of their own: a whole pass of packing, two score products and a
 // dQ product over every query, for a sixth of the keys (the sums run in the same order: outputs
-// bit-identical). A/B on Zen 3 (AVX2, 2 threads, float32, 5 rounds, both orders): SD-1.5 cross
-// 64x64 (4096 queries, 77 keys, head dim 40) 0.89-0.92x the time. 128-key tiles on long key
-// sequences were not kept: head dim 40 (SD-1.5 64x64) 1.06x in both orders, 64-160 0.93-1.03x.
+// bit-identical). A/B on Zen 3 (AVX2, 2 threads, float32, 7 rounds, both orders): the four
+// cross-attention shapes (77 keys, head dims 40-80) 0.93x the time (0.89-0.96x). 128-key tiles
+// on long key sequences were not kept: head dim 40 (SD-1.5 64x64) 1.06x in both orders, head
+// dims 64-160 0.93-1.03x.
 constexpr int64_t kBwdOneTileMaxKeys = 2 * kBwdBlockK;
 
 int64_t float_backward_block_k(const AttentionParams& p) {
