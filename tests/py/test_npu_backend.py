@@ -127,3 +127,18 @@ def test_availability_reasons(fake_npu, monkeypatch):
     assert "on cpu" in npu_backend.unavailable_reason("cpu")
     monkeypatch.delitem(sys.modules, "torch_npu")
     assert "torch_npu is not installed" in npu_backend.unavailable_reason("npu")
+
+
+def test_float32_fallback_keeps_npu_attn_semantics_for_causal_calls():
+    # float32 goes to torch's own SDPA; npu_attn's semantics still hold there: a mask together
+    # with is_causal (torch's math path refuses it) and scale 0 with is_causal (torch 2.13
+    # returns NaN: it scales after the causal mask).
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    out = npu_backend.fusion_attention(q, k, v, None, 0.0, True, 0.0)
+    expected = torch.stack([v[..., : i + 1, :].mean(-2) for i in range(5)], -2)
+    assert torch.isfinite(out).all() and (out - expected).abs().max() <= 1e-6
+    keep = torch.rand(5, 7) > 0.3
+    keep[:, 0] = True
+    out = npu_backend.fusion_attention(q, k, v, keep, 0.0, True, None)
+    both = keep & torch.ones(5, 7, dtype=torch.bool).tril()
+    assert (out - reference(q, k, v, attn_mask=both)).abs().max() <= 1e-5

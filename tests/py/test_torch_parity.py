@@ -92,6 +92,47 @@ def test_default_tiled_strategy_does_not_break_float64_calls():
         sdpa(q.double(), k.double(), v.double(), backend="tiled")
 
 
+def running_mean_of_values(v: torch.Tensor, len_q: int) -> torch.Tensor:
+    """softmax(0) over the keys each query sees with top-left causal masking: query i averages
+    the values of keys 0..i."""
+    return torch.stack([v[..., : i + 1, :].mean(-2) for i in range(len_q)], -2)
+
+
+@pytest.mark.parametrize(
+    "backend, dtype",
+    [
+        (backend, dtype)
+        for backend in (None, "tiled", "sdpa", "vanilla", "int8")
+        for dtype in (torch.float32, torch.bfloat16, torch.float64)
+        if dtype != torch.float64 or backend not in ("tiled", "int8")  # float32-compute kernels
+    ],
+)
+def test_zero_scale_with_causal_averages_the_visible_values(backend, dtype):
+    # torch 2.13 returns NaN everywhere for this call (it scales after the causal mask:
+    # 0 * -inf); every npu_attn backend returns the softmax of zero scores.
+    # D == Dv: torch's flash kernel (its math path, taken when they differ, gets it right)
+    q, k, v = randn(2, 3, 5, 8), randn(2, 3, 7, 8), randn(2, 3, 7, 8)
+    expected = running_mean_of_values(v.double(), 5)
+    out = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True, scale=0.0, backend=backend)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    rel = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
+    assert max_err(out, expected) <= tol(expected, rel)
+    assert max_err(reference_sdpa(q, k, v, is_causal=True, scale=0.0), expected) <= 1e-12
+
+
+@pytest.mark.parametrize("backend", [None, "tiled", "sdpa", "vanilla"])
+def test_zero_scale_with_causal_has_finite_exact_gradients(backend):
+    # Scores do not depend on q or k at scale 0, so their gradients are 0; with
+    # loss = out.sum(), key j's value gradient is sum over queries i >= j of 1 / (i + 1).
+    q, k, v = (
+        t.requires_grad_() for t in (randn(1, 2, 5, 8), randn(1, 2, 7, 8), randn(1, 2, 7, 8))
+    )
+    sdpa(q, k, v, is_causal=True, scale=0.0, backend=backend).sum().backward()
+    weights = torch.tensor([sum(1.0 / (i + 1) for i in range(j, 5)) for j in range(7)])
+    assert q.grad.abs().max() <= 1e-6 and k.grad.abs().max() <= 1e-6
+    assert max_err(v.grad, weights.view(1, 1, 7, 1).expand(1, 2, 7, 8)) <= 1e-5
+
+
 # --------------------------------------------------------------------------- 6a. any rank
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(

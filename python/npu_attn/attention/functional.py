@@ -567,7 +567,8 @@ def scaled_dot_product_attention(
       with ``attn_mask`` (torch's math path refuses that combination; npu_attn applies both on
       every backend, folding the causal mask into ``attn_mask`` where it calls torch).
     - ``scale``: defaults to 1/sqrt(D). Must be finite and non-negative (npu_attn refuses
-      negative scales, which torch accepts).
+      negative scales, which torch accepts). ``scale=0`` with ``is_causal`` averages the values
+      each query sees on every backend (torch 2.13's CPU kernel returns NaN there).
     - ``enable_gqa``: allow Hq to be a multiple of Hkv (grouped-query attention).
     - ``dropout_p`` must be 0.0 (inference kernel).
     - Inside ``torch.autocast(device, dtype)`` the inputs are cast as torch's autocast casts

@@ -23,7 +23,7 @@ import torch
 
 from ...runtime import ascend
 from .base import AttentionCall, Backend, count_call
-from .torch_sdpa import call_original
+from .torch_sdpa import call_original, torch_mask_args
 
 
 def unavailable_reason(device_type: str) -> str | None:
@@ -64,7 +64,10 @@ def fusion_attention(
 ):
     """SDPA semantics on torch_npu's fused kernel (see module docstring)."""
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return call_original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        mask, causal = torch_mask_args(
+            attn_mask, is_causal, scale, query.shape[-2], key.shape[-2], query.dtype, query.device
+        )
+        return call_original(query, key, value, mask, dropout_p, causal, scale, enable_gqa)
     torch_npu, reason = ascend.torch_npu()
     if torch_npu is None:
         raise RuntimeError(f"the npu strategy cannot run: {reason}")

@@ -7,6 +7,8 @@ always calls torch's original function, captured here before anything can replac
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -32,24 +34,42 @@ def call_original(
     )
 
 
-def fold_causal(mask: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
-    """``mask`` with the top-left causal mask applied: npu_attn's semantics for a mask together
-    with ``is_causal`` (torch's math path refuses the combination)."""
-    keep = torch.ones(len_q, len_k, dtype=torch.bool, device=mask.device).tril()
+def fold_causal(
+    mask: Optional[torch.Tensor], len_q: int, len_k: int, device: torch.device
+) -> torch.Tensor:
+    """``mask`` (or no mask) with the top-left causal mask applied: npu_attn's semantics for
+    a mask together with ``is_causal`` (torch's math path refuses the combination)."""
+    keep = torch.ones(len_q, len_k, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return keep
     if mask.dtype == torch.bool:
         return mask & keep
     return mask.masked_fill(~keep, float("-inf"))
 
 
-def torch_mask(call: AttentionCall):
+def torch_mask_args(mask, is_causal, scale, len_q, len_k, dtype, device):
     """(attn_mask, is_causal) as torch's SDPA takes them with npu_attn's semantics: a float
-    mask in the query's dtype, and causal folded into a mask when both are given."""
-    mask, causal = call.attn_mask, call.is_causal
-    if mask is not None and mask.dtype not in (torch.bool, call.dtype):
-        mask = mask.to(call.dtype)  # e.g. a float32 mask with 16-bit or float64 inputs
-    if mask is not None and causal:
-        mask, causal = fold_causal(mask, call.query.shape[-2], call.key.shape[-2]), False
-    return mask, causal
+    mask in the query's dtype, and causal folded into a mask when a mask is given too, or
+    when ``scale`` is 0: torch 2.13's CPU kernels scale the scores after the causal mask, so
+    0 * -inf turns every output into NaN (a mask is added after the scale)."""
+    if mask is not None and mask.dtype not in (torch.bool, dtype):
+        mask = mask.to(dtype)  # e.g. a float32 mask with 16-bit or float64 inputs
+    if is_causal and (mask is not None or scale == 0):
+        mask, is_causal = fold_causal(mask, len_q, len_k, device), False
+    return mask, is_causal
+
+
+def torch_mask(call: AttentionCall):
+    """:func:`torch_mask_args` for one call."""
+    return torch_mask_args(
+        call.attn_mask,
+        call.is_causal,
+        call.scale,
+        call.query.shape[-2],
+        call.key.shape[-2],
+        call.dtype,
+        call.query.device,
+    )
 
 
 class TorchSdpaBackend(Backend):
