@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import npu_attn
 from npu_attn import _C
-from npu_attn.attention import strategies
+from npu_attn.attention import ops, strategies
 from npu_attn.device import DeviceManager, DeviceProbe
 from npu_attn.tools import doctor
 
@@ -248,6 +248,14 @@ def test_doctor_json_reports_a_healthy_install():
     assert all(t["ok"] for t in report["kernel_variants_bf16"].values())
     for name in ("vanilla", "sdpa", "tiled", "auto"):
         assert report["strategies"][name]["self_test"]["ok"], name
+    # int8 is tested where it runs its own kernel (shorter calls run the exact one), if it
+    # does for float32 on this CPU at all
+    int8 = report["strategies"]["int8"]["self_test"]
+    assert int8["ok"] and int8["cosine"] >= 0.999 and int8["relative_l1"] <= 3e-2
+    runs_own_kernel = not ops.int8_runs_exact_kernel(int8["tokens"], int8["tokens"], torch.float32)
+    assert int8["ran_lossy_kernel"] is (True if runs_own_kernel else None)
+    if runs_own_kernel:
+        assert int8["relative_l1"] > 1e-5  # really quantized, not the exact kernel's 1e-7
     assert report["strategies"]["npu"] == {
         "available": False,
         "reason": "torch_npu is not installed (Ascend NPU support)",
@@ -265,6 +273,18 @@ def test_doctor_text_and_failure_exit_code(monkeypatch, capsys):
     monkeypatch.setitem(strategies.RUNNERS, "vanilla", broken)
     assert doctor.main([]) == 1
     assert "vanilla  available, self-test FAILED" in capsys.readouterr().out
+
+
+def test_doctor_fails_an_int8_strategy_that_never_runs_the_int8_kernel(monkeypatch, capsys):
+    # An int8 strategy that always ran the exact kernel would pass the lossy accuracy bar;
+    # the self-test counts the int8 kernel's calls, so it does not pass.
+    if ops.int8_runs_exact_kernel(4096, 4096, torch.float32):
+        pytest.skip("the exact kernel is faster than int8 at every length for float32 here")
+    monkeypatch.setitem(strategies.RUNNERS, "int8", strategies.RUNNERS["tiled"])
+    assert doctor.main([]) == 1
+    assert (
+        "int8     available, self-test FAILED (lossy, NOT its kernel at" in capsys.readouterr().out
+    )
 
 
 @pytest.fixture

@@ -61,21 +61,41 @@ LOSSY_MIN_COSINE = 0.999
 LOSSY_MAX_RELATIVE_L1 = 3e-2
 
 
-def lossy_self_test(fn) -> dict[str, Any]:
-    """:func:`self_test` for a lossy strategy (``int8``): ok when the output's cosine
-    similarity to float64 attention is >= 0.999 and its relative L1 error <= 3e-2."""
+def lossy_inputs(length: int):
+    """A grouped-query case with a boolean mask, ``length`` queries and keys per head: long
+    enough (the caller's choice) for the int8 strategy to run its own kernel, which calls too
+    short to gain leave to the exact one."""
     import torch
 
-    q, k, v, mask = inputs()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, length, 40, generator=g)
+    k = torch.randn(1, 2, length, 40, generator=g)
+    v = torch.randn(1, 2, length, 40, generator=g)
+    mask = torch.rand(1, 1, length, length, generator=g) > 0.2
+    return q, k, v, mask
+
+
+def lossy_self_test(fn, length: int, kernel_calls=None) -> dict[str, Any]:
+    """:func:`self_test` for a lossy strategy (``int8``) on :func:`lossy_inputs`: ok when the
+    output's cosine similarity to float64 attention is >= 0.999 and its relative L1 error
+    <= 3e-2, and, given ``kernel_calls`` (a function returning how many times the lossy kernel
+    has run), when the call really ran that kernel."""
+    import torch
+
+    q, k, v, mask = lossy_inputs(length)
     try:
+        calls_before = kernel_calls() if kernel_calls else 0
         with torch.no_grad():
             out = fn(q, k, v, mask, 0.0, False, None, True).double().flatten()
+        ran_kernel = kernel_calls() > calls_before if kernel_calls else None
         ref = reference(q, k, v, mask).flatten()
         cosine = float(out @ ref / (out.norm() * ref.norm()))
         relative_l1 = float((out - ref).abs().sum() / ref.abs().sum())
         ok = cosine >= LOSSY_MIN_COSINE and relative_l1 <= LOSSY_MAX_RELATIVE_L1
         return {
-            "ok": ok,
+            "ok": ok and ran_kernel is not False,
+            "tokens": length,
+            "ran_lossy_kernel": ran_kernel,
             "max_abs_error": float((out - ref).abs().max()),
             "cosine": cosine,
             "relative_l1": relative_l1,
