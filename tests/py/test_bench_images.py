@@ -134,6 +134,7 @@ def test_unknown_model_is_refused_with_the_choices(model, capsys):
             "--size: size 100 px: this model takes multiples of 8",
         ),
         (["--images", "2", "--repeats", "0"], "--repeats must be >= 1"),
+        (["--images", "2", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
     ],
 )
 def test_bad_numbers_are_refused(args, message, capsys):

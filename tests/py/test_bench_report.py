@@ -185,3 +185,8 @@ def test_skipped_competitors_never_run_and_the_report_says_why(monkeypatch, tmp_
     with pytest.raises(SystemExit):
         bench.main(["--skip", "sdpa"])
     assert "cannot skip sdpa" in capsys.readouterr().err
+    for option, value in (("--repeats", "0"), ("--threads", "0")):  # before: a traceback, or
+        with pytest.raises(SystemExit) as exit_info:  # the default thread count silently
+            bench.main([option, value])
+        assert exit_info.value.code == 2
+        assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err

@@ -161,6 +161,35 @@ def test_demo_runs_a_local_diffusers_folder(tmp_path):
     assert THIRD_PARTY_CHATTER.findall(result.stdout + result.stderr) == []
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--strategies", "tiled,tield"], "--strategies: unknown 'tield'; choose from vanilla"),
+        (["--size", "100"], "--size: size 100 px: this model takes multiples of 8 px"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_building_anything(args, message, capsys):
+    # Before: --steps 0 divided by zero inside diffusers, --steps -2 and --threads 0 ran,
+    # a misspelt strategy was skipped, --size 100 failed in diffusers after the build.
+    from npu_attn.tools.demo import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "tiny", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_a_size_the_local_folder_cannot_take(tmp_path):
+    build_pipeline("tiny").save_pretrained(tmp_path / "model")
+    result = run_demo(tmp_path, "--weights", str(tmp_path / "model"), "--size", "100")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "error: --size: size 100 px: this model takes multiples of 8 px" in result.stderr
+    assert "denoising" not in result.stdout
+
+
 def test_demo_refuses_a_folder_that_is_not_a_diffusers_model(tmp_path):
     (tmp_path / "notamodel").mkdir()
     (tmp_path / "notamodel" / "weights.bin").write_bytes(b"\0" * 16)

@@ -364,3 +364,8 @@ def test_bench_reports_and_command_line(capsys):
         main(["bench", "--parallel", "--help"])
     assert exit_info.value.code == 0
     assert "python -m npu_attn bench --parallel" in capsys.readouterr().out
+    for option in ("--steps", "--warmup", "--world", "--rounds", "--threads"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--parallel", option, "0"])
+        assert exit_info.value.code == 2
+        assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from .arguments import at_least
 from .bench_report import COMPETITORS, geomean, machine_info, markdown, plot
 from .rounds import round_order
 
@@ -353,8 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--filter", help="only cases whose name contains this text (comma-separated: any of them)"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per competitor")
-    parser.add_argument("--threads", type=int, help="threads for every competitor")
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs per competitor")
+    parser.add_argument("--threads", type=at_least(1), help="threads for every competitor")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     parser.add_argument(
         "--dtype",

@@ -62,6 +62,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from .arguments import at_least
+
 BASELINE = "eager sdpa"
 INT8 = "eager int8 (lossy)"
 CL = " + channels-last"
@@ -850,7 +852,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--threads", type=int, help="threads for every competitor")
+    parser.add_argument("--threads", type=at_least(1), help="threads for every competitor")
     parser.add_argument("--mode", help="torch.compile mode (default: inductor's default)")
     parser.add_argument("--no-openvino", action="store_true", help="skip OpenVINO")
     parser.add_argument(

@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from .arguments import at_least
+
 RESULT_MARKER = "NPU_ATTN_BENCH_PARALLEL "
 LINK_BYTES_PER_SECOND = 10e9 / 8  # 10 Gbit/s Ethernet
 WORLDS = (2, 4, 8, 16)
@@ -296,18 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="sd15", choices=sorted(MODELS))
     parser.add_argument("--size", type=int, help="image size (default: the model's)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="timed steps (default 3)")
+    parser.add_argument(
+        "--warmup", type=at_least(1), default=1, help="untimed steps first (default 1)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--world", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--world", type=at_least(1), default=2, help="processes (default 2)")
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=at_least(1),
         default=3,
         help="interleaved rounds of both configurations; medians are reported (default 3)",
     )
     parser.add_argument(
-        "--threads", type=int, help="threads of the single process (default: all cores)"
+        "--threads", type=at_least(1), help="threads of the single process (default: all cores)"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--json", help="also write the results to this JSON file")
@@ -317,9 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("steps", "warmup", "world", "rounds"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1")
     if args.worker or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by us or torchrun
         return worker(args)
     threads = args.threads or os.cpu_count() or 1

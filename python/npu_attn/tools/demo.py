@@ -51,8 +51,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from .arguments import at_least
 from .pipelines import (
     ARCHITECTURES,
+    FAMILIES,
+    architecture_summary,
     build_pipeline,
     denoiser,
     fit_size,
@@ -61,6 +64,8 @@ from .pipelines import (
     prompt_embeddings,
     psnr_db,
     relative_error,
+    size_problem,
+    vae_scale_factor,
 )
 
 # Libraries whose configuration chatter the demo silences (see quiet_third_party_warnings).
@@ -493,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--weights", type=Path, help="a local diffusers model folder instead")
     parser.add_argument("--prompt", help="prompt (with --weights; random embeddings otherwise)")
-    parser.add_argument("--steps", type=int, default=3, help="denoising steps (default 3)")
+    parser.add_argument("--steps", type=at_least(1), default=3, help="denoising steps (default 3)")
     parser.add_argument("--size", type=int, help="image size in pixels (default: model's)")
     parser.add_argument(
         "--strategies",
@@ -501,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated strategies to compare (unavailable ones are skipped; sdpa, the "
         "accuracy reference, is always run)",
     )
-    parser.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=at_least(1), help="CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tome",
@@ -542,8 +547,12 @@ def prepare_pipeline(args, dtype=None):
     (when given); ValueError or OSError if it cannot be loaded."""
     if args.weights is not None:
         pipe = load_pipeline(args.weights, torch_dtype=dtype)
-        latent_size = denoiser(pipe).config.sample_size or 64
+        config = denoiser(pipe).config
+        latent_size = config.sample_size or 64
         args.size = args.size or latent_size * pipe.vae_scale_factor
+        problem = size_problem(pipeline_family(pipe), config, pipe.vae_scale_factor, args.size)
+        if problem is not None:
+            raise ValueError(f"--size: {problem}")
         return pipe, f"weights from {args.weights}"
     pipe = build_pipeline(args.model)
     args.size = args.size or ARCHITECTURES[args.model][1]
@@ -669,8 +678,31 @@ def run(args) -> int:
     return 0
 
 
+def check_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse, as usage errors, what would otherwise fail (or be skipped) after the models are
+    built: unknown strategy names, and an image size the architecture cannot take (a
+    --weights folder's size is checked once it is loaded: prepare_pipeline)."""
+    from ..attention import strategies
+
+    requested = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    unknown = [name for name in requested if name not in strategies.STRATEGIES]
+    if unknown:
+        parser.error(
+            f"--strategies: unknown {', '.join(map(repr, unknown))}; "
+            f"choose from {', '.join(strategies.STRATEGIES)}"
+        )
+    if args.size is not None and args.weights is None:
+        config = architecture_summary(args.model)[1]
+        family, scale = FAMILIES[args.model], vae_scale_factor(args.model)
+        problem = size_problem(family, config, scale, args.size)
+        if problem is not None:
+            parser.error(f"--size: {problem}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("npu_attn").setLevel(logging.INFO)
     with quiet_third_party_warnings():
