@@ -209,6 +209,10 @@ def test_unknown_and_unavailable_strategies_explain_themselves():
         npu_attn.set_attention_strategy("unet", "tiled")
     with pytest.raises(TypeError, match="unexpected options"):
         npu_attn.set_attention_strategy(unet, "tiled", speed="max")
+    for not_a_name in (1, ["tiled"]):  # before: AttributeError: ... has no attribute 'strip'
+        with pytest.raises(TypeError, match=r"strategy must be a str \(one of vanilla, sdpa"):
+            npu_attn.set_attention_strategy(unet, not_a_name)
+    assert npu_attn.attention_strategy_of(unet) == {"original": len(unet.attn_processors)}
 
 
 def test_default_strategy_from_none_target_and_environment(monkeypatch, caplog):

@@ -206,8 +206,8 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
             ``HiDreamImageTransformer2DModel``, or ``None`` to set the default strategy: used for
             models switched later without a strategy, and preferred by direct
             :func:`npu_attn.scaled_dot_product_attention` calls where it can run them.
-        strategy: ``"vanilla"``, ``"sdpa"``, ``"tiled"``, ``"npu"`` or ``"auto"``; ``None``
-            uses :func:`default_strategy`.
+        strategy: ``"vanilla"``, ``"sdpa"``, ``"tiled"``, ``"npu"``, ``"auto"`` or (lossy,
+            opt-in) ``"int8"``; ``None`` uses :func:`default_strategy`.
         options: reserved; unknown options raise ``TypeError``.
 
     Returns:
@@ -216,9 +216,15 @@ def set_attention_strategy(target: Any = None, strategy: Optional[str] = None, *
     Raises:
         ValueError: unknown strategy, or one unavailable for the model's device (the message
             lists the valid ones and why this one cannot run).
+        TypeError: a strategy that is not a string, or unknown options.
     """
     if options:
         raise TypeError(f"set_attention_strategy got unexpected options: {sorted(options)}")
+    if strategy is not None and not isinstance(strategy, str):
+        raise TypeError(
+            f"strategy must be a str (one of {', '.join(strategies.STRATEGIES)}) or None, "
+            f"got {type(strategy).__name__}"
+        )
     chosen = (strategy or default_strategy()).strip().lower()
     if target is None:
         strategies.check_strategy(chosen)
