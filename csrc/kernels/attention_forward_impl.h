@@ -76,8 +76,11 @@ constexpr int64_t kTasksPerThread = 4;
 // Packed K/V of one chunk of (batch, kv-head) pairs: as many pairs as fit in 32 MiB (fewer
 // barriers for short sequences, bounded memory for long ones).
 constexpr int64_t kPackBudgetBytes = int64_t{32} << 20;
-// Keys per P*V pass inside a key tile: keeps the S^T and V chunks near L1...
-constexpr int kPvKeyChunk = kVecBytes == 32 ? 128 : 128;
+// Keys per P*V pass inside a key tile: keeps the S^T and V chunks near L1. With 256-bit
+// vectors 64 keys (a P^T chunk of 16 KiB, which stays in L1 across the row blocks) measured no
+// different on Zen 3 (float32, 2 threads, V rows at head dims 40, 64, 80 and 160: 0.98-1.03x
+// the time, geomean 1.00), so one value for every variant...
+constexpr int kPvKeyChunk = 128;
 // ...but fewer for very large value head dims (the VAE's 512): each pass streams the P^T chunk
 // once per 6 output channels, and at 512 channels a 32-key chunk (8 KiB of P^T) measured ~20%
 // faster than 128 keys (32 KiB, all of L1) on Zen 4, ~6% at 384, and no better below. The
@@ -621,6 +624,9 @@ void run_query_tile(const AttentionParams& p, const Tiling& t, const KeyValueRow
   for (int64_t k0 = 0; k0 < key_limit; k0 += t.block_k) {
     const int64_t keys = min_i64(t.block_k, key_limit - k0);
     // S^T (keys x queries) = K_tile (keys x D) * Q^T (D x queries)
+    // Over K panels rows-outer too: walking column groups outside (each group's Q^T slice,
+    // 8 KiB at head dim 128, then stays in L1) measured 0.99-1.07x the time on Zen 3 (float32,
+    // 2 threads; SD2.1 96x96, SDXL 64x64, SD3, Flux (1.07x), HiDream), so it was not kept.
     if (t.k_panels) {  // k0 is a whole number of panels (plan_tiled)
       broadcast_fma_panels<false>(kv.k + k0 * p.head_dim, kBlockRows * p.head_dim, ws.qt, ld,
                                   p.head_dim, keys, tile.vecs, ws.st, ld);
