@@ -280,14 +280,19 @@ def float32_reference(pipe, args, embeds, dm) -> RunResult:
     return run_strategy(pipe, "sdpa", args, embeds32, dm, label=FLOAT32_REFERENCE_LABEL)
 
 
+def requested_strategies(text: str) -> list[str]:
+    """The names in a comma-separated --strategies value."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def strategies_to_compare(requested: str, device) -> list[str]:
     """The requested strategies that can run on `device`, always with ``sdpa``: it is the
     reference the accuracy columns compare with."""
     from ..attention import strategies
 
     names = []
-    for name in (s.strip() for s in requested.split(",")):
-        if not name or name in names:
+    for name in requested_strategies(requested):
+        if name in names:
             continue
         reason = strategies.unavailable_reason(name, device)
         if reason is not None:
@@ -684,7 +689,7 @@ def check_arguments(parser: argparse.ArgumentParser, args) -> None:
     --weights folder's size is checked once it is loaded: prepare_pipeline)."""
     from ..attention import strategies
 
-    requested = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    requested = requested_strategies(args.strategies)
     unknown = [name for name in requested if name not in strategies.STRATEGIES]
     if unknown:
         parser.error(

@@ -9,14 +9,16 @@ from typing import Any
 SELF_TEST_TOLERANCE = 1e-4
 
 
-def inputs():
+def inputs(len_q: int = 67, len_k: int = 93):
+    """A grouped-query case (4 query heads, 2 key/value heads, head dim 40) with a boolean
+    mask."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 67, 40, generator=g)
-    k = torch.randn(2, 2, 93, 40, generator=g)
-    v = torch.randn(2, 2, 93, 40, generator=g)
-    mask = torch.rand(2, 1, 67, 93, generator=g) > 0.2
+    q = torch.randn(2, 4, len_q, 40, generator=g)
+    k = torch.randn(2, 2, len_k, 40, generator=g)
+    v = torch.randn(2, 2, len_k, 40, generator=g)
+    mask = torch.rand(2, 1, len_q, len_k, generator=g) > 0.2
     return q, k, v, mask
 
 
@@ -61,28 +63,15 @@ LOSSY_MIN_COSINE = 0.999
 LOSSY_MAX_RELATIVE_L1 = 3e-2
 
 
-def lossy_inputs(length: int):
-    """A grouped-query case with a boolean mask, ``length`` queries and keys per head: long
-    enough (the caller's choice) for the int8 strategy to run its own kernel, which calls too
-    short to gain leave to the exact one."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, length, 40, generator=g)
-    k = torch.randn(1, 2, length, 40, generator=g)
-    v = torch.randn(1, 2, length, 40, generator=g)
-    mask = torch.rand(1, 1, length, length, generator=g) > 0.2
-    return q, k, v, mask
-
-
 def lossy_self_test(fn, length: int, kernel_calls=None) -> dict[str, Any]:
-    """:func:`self_test` for a lossy strategy (``int8``) on :func:`lossy_inputs`: ok when the
-    output's cosine similarity to float64 attention is >= 0.999 and its relative L1 error
-    <= 3e-2, and, given ``kernel_calls`` (a function returning how many times the lossy kernel
-    has run), when the call really ran that kernel."""
+    """:func:`self_test` for a lossy strategy (``int8``), on :func:`inputs` with ``length``
+    queries and keys (long enough, the caller's choice, for the int8 strategy to run its own
+    kernel: it leaves calls too short to gain to the exact one): ok when the output's cosine
+    similarity to float64 attention is >= 0.999 and its relative L1 error <= 3e-2, and, given
+    ``kernel_calls`` (how many times the lossy kernel has run), when the call really ran it."""
     import torch
 
-    q, k, v, mask = lossy_inputs(length)
+    q, k, v, mask = inputs(length, length)
     try:
         calls_before = kernel_calls() if kernel_calls else 0
         with torch.no_grad():
