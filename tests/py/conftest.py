@@ -17,13 +17,13 @@ def reference_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_
 
     torch's math path refuses attn_mask together with is_causal (its CPU flash path applies
     both); npu_attn applies both, so the reference folds the causal mask into attn_mask. It
-    folds it with scale 0 too: torch 2.13 scales the scores after its causal mask there, and
-    0 * -inf makes every output NaN.
+    folds it with a scale of 0 or below too: torch 2.13 scales the scores after its causal
+    mask there, and 0 * -inf makes every output NaN (a negative scale too: -inf * -s = inf).
     """
     mask = attn_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.double()
-    if is_causal and (mask is not None or scale == 0):
+    if is_causal and (mask is not None or (scale is not None and scale <= 0)):
         lq, lk = q.shape[-2], k.shape[-2]
         causal = torch.ones(lq, lk, dtype=torch.bool).tril()
         if mask is None:

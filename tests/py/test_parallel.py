@@ -294,6 +294,19 @@ def test_one_rank_is_the_single_process_computation(one_rank_group, one_thread):
     assert not pipe.unet._forward_pre_hooks and not pipe.unet._forward_hooks
 
 
+def test_ring_and_ulysses_take_a_negative_scale(one_rank_group, one_thread):
+    # torch accepts a negative scale (npu_attn runs it as the query negated); with is_causal
+    # torch 2.13 itself returns NaN there, so the reference is the single-process call.
+    q, k, v = (torch.randn(1, 2, 10, 8, requires_grad=True) for _ in range(3))
+    single = npu_attn.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-0.8)
+    expected = torch.autograd.grad(single.sum(), (q, k, v))
+    for fn in (parallel.ring_attention, parallel.ulysses_attention):
+        out = fn(q, k, v, is_causal=True, scale=-0.8)
+        assert torch.allclose(out, single, atol=1e-6)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, expected))
+
+
 def test_diffusers_own_context_parallel_still_fails_on_cpu(one_rank_group):
     """Why enable_context_parallel does not call ModelMixin.enable_parallelism: on a CPU-only
     torch its device lookup divides by torch.accelerator.device_count() == 0 (diffusers

@@ -120,6 +120,78 @@ def test_zero_scale_with_causal_averages_the_visible_values(backend, dtype):
     assert max_err(reference_sdpa(q, k, v, is_causal=True, scale=0.0), expected) <= 1e-12
 
 
+NEGATIVE_SCALE_CASES = [
+    (backend, dtype)
+    for backend in (None, "tiled", "sdpa", "vanilla", "int8")
+    for dtype in (torch.float32, torch.bfloat16, torch.float64)
+    if dtype != torch.float64 or backend not in ("tiled", "int8")  # float32-compute kernels
+]
+
+
+@pytest.mark.parametrize("backend, dtype", NEGATIVE_SCALE_CASES)
+@pytest.mark.parametrize("masking", ["none", "bool mask", "causal"])
+def test_negative_scale_is_torch_semantics(backend, dtype, masking):
+    # torch accepts a negative scale; npu_attn runs it as the query negated. With is_causal
+    # torch 2.13 returns NaN (its causal -inf times the scale is +inf): the reference folds
+    # the causal mask, as for scale 0. The caller's (B, L, H, D) query keeps its values and
+    # the output keeps that layout.
+    q = randn(2, 9, 3, 16).transpose(1, 2)
+    k, v = randn(2, 3, 11, 16), randn(2, 3, 11, 16)
+    mask = {"none": None, "bool mask": torch.rand(9, 11) > 0.3, "causal": None}[masking]
+    causal = masking == "causal"
+    args = [t.to(dtype) for t in (q, k, v)]
+    before = args[0].clone()
+    out = sdpa(*args, mask, is_causal=causal, scale=-0.7, backend=backend)
+    ref = reference_sdpa(*args, mask, is_causal=causal, scale=-0.7)
+    assert torch.isfinite(ref).all() and out.dtype == dtype
+    rel = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
+    if backend == "int8" and dtype == torch.float32:
+        rel = 3e-2  # lossy where its kernel runs (this call is short enough for the exact one)
+    assert max_err(out, ref) <= tol(ref, rel)
+    assert torch.equal(args[0], before)
+    if backend in (None, "tiled") and masking != "bool mask":
+        assert out.transpose(1, 2).is_contiguous()  # still torch's flash layout
+
+
+@pytest.mark.parametrize("backend", [None, "tiled", "sdpa", "vanilla"])
+def test_negative_scale_has_exact_gradients_and_lse(backend):
+    q, k, v = (
+        t.requires_grad_() for t in (randn(1, 2, 6, 8), randn(1, 2, 7, 8), randn(1, 2, 7, 8))
+    )
+    grad_out = randn(1, 2, 6, 8)
+    (sdpa(q, k, v, is_causal=True, scale=-1.3, backend=backend) * grad_out).sum().backward()
+    ours = [t.grad.clone() for t in (q, k, v)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_sdpa(q64, k64, v64, is_causal=True, scale=-1.3)
+    (ref * grad_out.double()).sum().backward()
+    for mine, theirs in zip(ours, (q64.grad, k64.grad, v64.grad)):
+        assert max_err(mine, theirs) <= tol(theirs)
+    if backend in (None, "tiled"):
+        with torch.no_grad():
+            _, lse = sdpa(q, k, v, scale=-1.3, backend=backend, return_lse=True)
+        scores = -1.3 * q64.detach() @ k64.detach().transpose(-1, -2)
+        assert max_err(lse, torch.logsumexp(scores, -1)) <= 1e-5
+
+
+def test_negative_scale_with_numpy_inputs():
+    q, k, v = (randn(1, 2, 6, 8) for _ in range(3))
+    arrays = [t.numpy() for t in (q, k, v)]
+    before = arrays[0].copy()
+    out = sdpa(*arrays, scale=-0.4)
+    assert isinstance(out, np.ndarray) and np.array_equal(arrays[0], before)
+    ref = reference_sdpa(q, k, v, scale=-0.4)
+    assert max_err(torch.from_numpy(out), ref) <= tol(ref)
+
+
+def test_backend_names_are_read_in_any_case():
+    q = randn(1, 2, 6, 8)
+    before = npu_attn.call_counts().get("tiled", 0)
+    out = sdpa(q, q, q, backend=" Tiled ")
+    assert npu_attn.call_counts().get("tiled", 0) == before + 1
+    assert max_err(out, reference_sdpa(q, q, q)) <= 1e-5
+    assert max_err(sdpa(q, q, q, backend="SDPA"), reference_sdpa(q, q, q)) <= 1e-5
+
+
 @pytest.mark.parametrize("backend", [None, "tiled", "sdpa", "vanilla"])
 def test_zero_scale_with_causal_has_finite_exact_gradients(backend):
     # Scores do not depend on q or k at scale 0, so their gradients are 0; with

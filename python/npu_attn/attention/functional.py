@@ -62,8 +62,33 @@ def _check_common(dropout_p: float, is_causal: bool, scale: Optional[float], ena
     if scale is not None:
         if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale < 0:
-            raise ValueError(f"scale must be a finite, non-negative number, got {scale}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale}")
+
+
+def _backend_name(backend) -> Optional[str]:
+    """``backend=`` as the registry names it: like strategy names, any case and surrounding
+    spaces (``"Tiled"``); anything but a string or None is a TypeError."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or None, got {type(backend).__name__}")
+    return backend.strip().lower()
+
+
+def nonnegative_scale(query, scale):
+    """(query, scale) with scale >= 0: a negative scale (torch accepts one) becomes the
+    query negated and the scale's magnitude. The kernels take scale >= 0 (some apply it after
+    taking the maximum of the unscaled scores), and (-scale) * (-q) . k is scale * q . k
+    exactly, since negation is exact: one elementwise pass over the query, differentiable, and
+    the caller's tensor is left as it is."""
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not scale < 0:
+        return query, scale  # None, >= 0, NaN or not a number: for the callers' checks
+    if _is_torch_tensor(query) and query.is_floating_point():
+        return query.neg(), -scale
+    if isinstance(query, np.ndarray) and np.issubdtype(query.dtype, np.floating):
+        return np.negative(query), -scale
+    return query, scale  # not a floating query: the checks below name what is wrong
 
 
 class _Plan(NamedTuple):
@@ -566,9 +591,10 @@ def scaled_dot_product_attention(
     - ``is_causal``: top-left aligned causal mask (query i attends keys j <= i); may be combined
       with ``attn_mask`` (torch's math path refuses that combination; npu_attn applies both on
       every backend, folding the causal mask into ``attn_mask`` where it calls torch).
-    - ``scale``: defaults to 1/sqrt(D). Must be finite and non-negative (npu_attn refuses
-      negative scales, which torch accepts). ``scale=0`` with ``is_causal`` averages the values
-      each query sees on every backend (torch 2.13's CPU kernel returns NaN there).
+    - ``scale``: defaults to 1/sqrt(D). Must be finite; a negative scale runs as the query
+      negated with the scale's magnitude (the same scores, exactly). ``scale=0`` with
+      ``is_causal`` averages the values each query sees on every backend (torch 2.13's CPU
+      kernel returns NaN there).
     - ``enable_gqa``: allow Hq to be a multiple of Hkv (grouped-query attention).
     - ``dropout_p`` must be 0.0 (inference kernel).
     - Inside ``torch.autocast(device, dtype)`` the inputs are cast as torch's autocast casts
@@ -607,8 +633,9 @@ def scaled_dot_product_attention(
     Args:
         return_lse: also return the per-row log-sum-exp of the scaled, masked scores,
             shape (..., Hq, Lq), float32 (``-inf`` for fully masked rows); tiled backend only.
-        backend: force ``"tiled"``, ``"npu"``, ``"sdpa"`` or ``"vanilla"``; a backend that
-            cannot run the call raises ``ValueError`` listing why.
+        backend: force ``"tiled"``, ``"npu"``, ``"sdpa"``, ``"vanilla"`` or ``"int8"`` (any
+            case); a backend that cannot run the call raises ``ValueError`` listing why, a
+            name that is not a string ``TypeError``.
 
     Raises:
         TypeError: wrong argument type, dtype, layout (sparse, nested) or device.
@@ -617,6 +644,8 @@ def scaled_dot_product_attention(
             transform or forward-mode AD.
     """
     _check_common(dropout_p, is_causal, scale, enable_gqa)
+    backend = _backend_name(backend)
+    query, scale = nonnegative_scale(query, scale)
     if _is_torch_tensor(query):
         return _torch_sdpa(
             query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend

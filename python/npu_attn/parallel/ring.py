@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..attention import ops
+from ..attention.functional import nonnegative_scale
 from .group import count_bytes
 from .layout import Layout, agree, as_4d_mask, key_columns
 
@@ -257,6 +258,7 @@ def ring_attention(
     ``ValueError`` on its rank and :class:`~npu_attn.parallel.RankDisagreement` on the
     others, never a hang.
     """
+    query, scale = nonnegative_scale(query, scale)  # the kernel takes scale >= 0
     layout = agree(
         "ring_attention",
         query,
