@@ -34,6 +34,23 @@ def _torch():
     return sys.modules.get("torch")
 
 
+_ops = _registry = None
+
+
+def _torch_modules():
+    """(attention.ops, backends.registry), imported on the first call with torch tensors: they
+    import torch, which the NumPy path does without. Kept here after that because an import
+    statement inside a function costs ~4 us a call (the import machinery resolves the package
+    each time), which short calls notice."""
+    global _ops, _registry
+    if _ops is None:
+        from . import ops
+        from .backends import registry
+
+        _ops, _registry = ops, registry
+    return _ops, _registry
+
+
 def _is_torch_tensor(x: object) -> bool:
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
@@ -378,8 +395,7 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
     computes in ~70 us). The output layout rule is the general path's
     (``_flash_keeps_query_layout``, the part of ``_keeps_query_layout`` left once the checks
     here have passed)."""
-    from . import ops
-
+    ops, registry = _torch_modules()
     # First, before reading any shape (under torch.jit.trace that records ops): calls that
     # must run as the registered op (tracers, torch.func transforms, tensor subclasses, and
     # anything that is not a plain tensor) are the general path's to decide.
@@ -406,8 +422,6 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
         return None
     if torch.autograd.forward_ad._current_level >= 0:
         return None
-    from .backends import registry
-
     chosen = registry.chosen_without_checks(backend, _default_backend())
     if chosen is None or chosen.name not in ("tiled", "int8"):
         return None
@@ -438,7 +452,7 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
         )
         if fast is not None:
             return fast
-    from .backends import registry
+    _, registry = _torch_modules()
     from .backends.base import AttentionCall
 
     for name, t in (("key", key), ("value", value)):

@@ -83,7 +83,7 @@ def needs_op(*tensors) -> bool:
     would read the wrapper, which holds no data)."""
     if recorded() or torch._C._functorch.peek_interpreter_stack() is not None:
         return True
-    return any(t is not None and type(t) is not torch.Tensor for t in tensors)
+    return any(t is not None and type(t) is not Tensor for t in tensors)
 
 
 def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
