@@ -184,6 +184,25 @@ int64_t query_tile_for(const AttentionParams& p, int threads) {
   return block_q;
 }
 
+// Queries per task over K panels (long sequences, head dims from kPanelMinDim) with 256-bit
+// vectors: 32. Their Q^T (16 KiB at head dim 128, where 64 queries fill a 32 KiB L1 by
+// themselves), S^T and O^T tiles take half the cache, for twice the streaming of K and V (those
+// tasks read them from L3 either way). On Zen 3 (float32, 2 threads, outputs bit-identical;
+// A/B of the builds in one process, rounds in alternating order, noise about +-4%): SD-2.1
+// 96x96 0.87x the time, 48x48 0.94x, SDXL 64x64 0.90x, SD3 0.95x, Flux 0.90-0.97x, HiDream
+// 0.90-1.01x; bfloat16 inputs (SD-2.1 48x48, SDXL 64x64, Flux) 0.93-0.94x. Not kept: 256-key
+// tiles with 64 queries instead (1.02-1.05x the time of this); 32 queries at the VAE's head dim
+// 512 (1.18x), at head dim 160 on SD-1.5's short sequences (no panels: 1.02-1.06x), at head dim
+// 40 (SD-1.5 64x64, no panels: 1.03x), and in the int8 kernel, whose Q^T is 8-bit codes
+// (1.01-1.02x; plan_int8). Not measured with other vector widths.
+constexpr int64_t kPanelQueryTile = 32;
+constexpr bool kPanelQueryTileMeasured = kVecBytes == 32;
+
+int64_t panel_query_tile(const AttentionParams& p, bool k_panels, int64_t block_q) {
+  const bool applies = kPanelQueryTileMeasured && k_panels && p.head_dim < kLargeDimV;
+  return applies ? min_i64(block_q, kPanelQueryTile) : block_q;
+}
+
 // ---------------------------------------------------------------- plan
 struct Tiling {
   ForwardSchedule schedule;  // block_q: queries per task, a multiple of kLanes
@@ -261,7 +280,7 @@ Tiling plan_tiled(const AttentionParams& p, int threads) {
   t.pack_k = convert || p.k_stride[3] != 1 || t.k_panels;
   t.pack_v = convert || p.v_stride[3] != 1 || aliasing_v_rows(p, p.v_stride[2]) || t.v_panels;
   t.v_row_floats = packed_v_row_floats(p);
-  s.block_q = query_tile_for(p, threads);
+  s.block_q = panel_query_tile(p, t.k_panels, query_tile_for(p, threads));
   const bool packs = t.pack_k || t.pack_v;
   s.pack_tiles = packs ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
   s.pair_floats = packed_v_offset(p, t) + packed_v_floats(p, t);
