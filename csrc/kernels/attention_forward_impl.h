@@ -194,13 +194,15 @@ int64_t query_tile_for(const AttentionParams& p, int threads) {
 // tiles with 64 queries instead (1.02-1.05x the time of this); 32 queries at the VAE's head dim
 // 512 (1.18x), at head dim 160 on SD-1.5's short sequences (no panels: 1.02-1.06x), at head dim
 // 40 (SD-1.5 64x64, no panels: 1.03x), and in the int8 kernel, whose Q^T is 8-bit codes
-// (1.01-1.02x; plan_int8). Not measured with other vector widths.
+// (1.01-1.02x; plan_int8). Not measured with other vector widths. It replaces only the 64-query
+// default: taller tiles for K and V streamed from memory (kStreamedQueryTile, e.g. video
+// lengths on cores with 1 MiB of L2) and tiles already halved for parallelism stay.
 constexpr int64_t kPanelQueryTile = 32;
 constexpr bool kPanelQueryTileMeasured = kVecBytes == 32;
 
 int64_t panel_query_tile(const AttentionParams& p, bool k_panels, int64_t block_q) {
   const bool applies = kPanelQueryTileMeasured && k_panels && p.head_dim < kLargeDimV;
-  return applies ? min_i64(block_q, kPanelQueryTile) : block_q;
+  return applies && block_q == kMaxQueryTile ? kPanelQueryTile : block_q;
 }
 
 // ---------------------------------------------------------------- plan
