@@ -153,7 +153,7 @@ inline PairPlan plan_pairs(const AttentionParams& p, int threads) {
   l.k_words = (p.head_dim + 1) / 2;
   l.v_pairs = (p.len_k + 1) / 2;
   l.block_k = round_up(min_i64(kKeyTile, max_i64(p.len_k, 1)), 2);
-  l.block_q = query_tile_for(p, threads);
+  l.block_q = query_tile_for(p, threads, false);  // K as bfloat16 pairs, never float panels
   l.pv_key_pairs = pv_key_chunk_for(p) / 2;
   l.v_row_words = packed_v_row_floats(p);
   s.block_q = l.block_q;

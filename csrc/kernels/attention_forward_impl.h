@@ -171,19 +171,6 @@ bool streamed_tiles_fit() {
   return kVecBytes == 64 || planning_l2_bytes() >= kStreamedTileMinL2;
 }
 
-// Queries per task for `threads` threads (shared by plan_tiled and plan_pairs).
-int64_t query_tile_for(const AttentionParams& p, int threads) {
-  const int64_t heads_rows = p.batch * p.heads_q;
-  const int64_t kv_bytes = p.len_k * (p.head_dim + p.head_dim_v) * int64_t{sizeof(float)};
-  int64_t block_q =
-      kv_bytes > kStreamedKvBytes && streamed_tiles_fit() ? kStreamedQueryTile : kMaxQueryTile;
-  while (block_q > kMinQueryTile &&
-         heads_rows * ceil_div(p.len_q, block_q) < kTasksPerThread * threads) {
-    block_q /= 2;
-  }
-  return block_q;
-}
-
 // Queries per task over K panels (long sequences, head dims from kPanelMinDim) with 256-bit
 // vectors: 32. Their Q^T (16 KiB at head dim 128, where 64 queries fill a 32 KiB L1 by
 // themselves), S^T and O^T tiles take half the cache, for twice the streaming of K and V (those
@@ -194,15 +181,31 @@ int64_t query_tile_for(const AttentionParams& p, int threads) {
 // tiles with 64 queries instead (1.02-1.05x the time of this); 32 queries at the VAE's head dim
 // 512 (1.18x), at head dim 160 on SD-1.5's short sequences (no panels: 1.02-1.06x), at head dim
 // 40 (SD-1.5 64x64, no panels: 1.03x), and in the int8 kernel, whose Q^T is 8-bit codes
-// (1.01-1.02x; plan_int8). Not measured with other vector widths. It replaces only the 64-query
-// default: taller tiles for K and V streamed from memory (kStreamedQueryTile, e.g. video
-// lengths on cores with 1 MiB of L2) and tiles already halved for parallelism stay.
+// (1.01-1.02x; plan_int8). Not measured with other vector widths. Taller tiles for K and V
+// streamed from memory (kStreamedQueryTile, e.g. video lengths on cores with 1 MiB of L2) keep
+// their height; halving for parallelism works from 32 as from 64.
 constexpr int64_t kPanelQueryTile = 32;
 constexpr bool kPanelQueryTileMeasured = kVecBytes == 32;
 
-int64_t panel_query_tile(const AttentionParams& p, bool k_panels, int64_t block_q) {
-  const bool applies = kPanelQueryTileMeasured && k_panels && p.head_dim < kLargeDimV;
-  return applies && block_q == kMaxQueryTile ? kPanelQueryTile : block_q;
+// The tallest query tile for the call: streamed, over float32 K panels, or the default.
+int64_t tallest_query_tile(const AttentionParams& p, bool float_k_panels) {
+  const int64_t kv_bytes = p.len_k * (p.head_dim + p.head_dim_v) * int64_t{sizeof(float)};
+  if (kv_bytes > kStreamedKvBytes && streamed_tiles_fit()) return kStreamedQueryTile;
+  const bool panel_tile = kPanelQueryTileMeasured && float_k_panels && p.head_dim < kLargeDimV;
+  return panel_tile ? kPanelQueryTile : kMaxQueryTile;
+}
+
+// Queries per task for `threads` threads (shared by plan_tiled, plan_pairs and plan_int8), the
+// tallest tile halved while there would be too few tasks. `float_k_panels`: S^T = K Q^T runs
+// over float32 K panels (plan_tiled's k_panels).
+int64_t query_tile_for(const AttentionParams& p, int threads, bool float_k_panels) {
+  const int64_t heads_rows = p.batch * p.heads_q;
+  int64_t block_q = tallest_query_tile(p, float_k_panels);
+  while (block_q > kMinQueryTile &&
+         heads_rows * ceil_div(p.len_q, block_q) < kTasksPerThread * threads) {
+    block_q /= 2;
+  }
+  return block_q;
 }
 
 // ---------------------------------------------------------------- plan
@@ -282,7 +285,7 @@ Tiling plan_tiled(const AttentionParams& p, int threads) {
   t.pack_k = convert || p.k_stride[3] != 1 || t.k_panels;
   t.pack_v = convert || p.v_stride[3] != 1 || aliasing_v_rows(p, p.v_stride[2]) || t.v_panels;
   t.v_row_floats = packed_v_row_floats(p);
-  s.block_q = panel_query_tile(p, t.k_panels, query_tile_for(p, threads));
+  s.block_q = query_tile_for(p, threads, t.k_panels);
   const bool packs = t.pack_k || t.pack_v;
   s.pack_tiles = packs ? ceil_div(p.len_k, t.block_k) : 0;  // one item per key tile
   s.pair_floats = packed_v_offset(p, t) + packed_v_floats(p, t);

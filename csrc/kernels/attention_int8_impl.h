@@ -213,7 +213,7 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.fp = plan_tiled<T>(p, threads);
   plan.fp.pack_k = false;  // K is always packed, as codes (below), never as float rows
   plan.fp.k_panels = false;
-  plan.fp.schedule.block_q = query_tile_for(p, threads);  // Q^T as codes: no panel_query_tile
+  plan.fp.schedule.block_q = query_tile_for(p, threads, false);  // Q^T and K as codes
   plan.integer_values = kIntegerValues;
   // Key tiles of whole C tiles (AMX: S^T holds the 16 rows of each) in every variant, so that
   // every variant smooths K over the same key tiles and their codes agree wherever their

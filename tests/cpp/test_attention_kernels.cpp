@@ -69,7 +69,7 @@ std::vector<Case> shape_grid() {
   cases.push_back({1, 2, 2, 80, 700, 64, 384});
   cases.push_back({1, 4, 2, 50, 530, 512, 512});
   // Long sequences from head dim 64 on: panels too (AVX2), with a ragged last panel and key
-  // tile, Dv != D, GQA; with 32-query tiles (AVX2: panel_query_tile) and a ragged last one.
+  // tile, Dv != D, GQA; with 32-query tiles (AVX2: kPanelQueryTile) and a ragged last one.
   cases.push_back({1, 2, 1, 2050, 2053, 128, 64});
   return cases;
 }
