@@ -104,12 +104,24 @@ constexpr int kTileQueryVecs =
 // before the next group reuses them. With V rows one line longer (a padded packed copy; float32
 // V is then copied, 2 KiB per key at Dv = 512), the VAE mid-block shape (Dv = 512) measured
 // 5-8% faster in float32 and 6% (1024px) in the bfloat16 pair kernel on Zen 4. Below
-// kLargeDimV (e.g. Flux's 128) padded rows measured no gain, so those are left as they are.
+// kLargeDimV (e.g. Flux's 128) padded rows measured no gain there, so those are left as they
+// are, except with 256-bit vectors (AVX2) for the row strides of diffusers' (B, L, H, D)
+// layout with many keys and queries: V rows 640 or 1280 floats apart (heads x head dim: 8 x 80,
+// 20 x 64, 8 x 160) fall into 8 or 4 sets, 64 or 32 lines for a 128-key pass, and the packed
+// copy (rows head_dim_v apart) measured on Zen 3 (float32, 2 threads, A/B of the builds on
+// (B, L, H, D) inputs, outputs bit-identical): SD-1.5 32x32 (1024 tokens, head dim 80) 0.86x
+// the time, SDXL 32x32 (1024, 64) 0.93x; at 256 keys (SD-1.5 16x16) 1.00x and at 64 (8x8)
+// 1.10x, where the copy's extra pass costs more than it saves, hence kAliasingMinLength.
 constexpr int64_t kAliasingStrideFloats = 128;
 constexpr int64_t kLineFloats = 16;
+constexpr bool kSmallDimAliasingMeasured = kVecBytes == 32;
+constexpr int64_t kAliasingMinLength = 1024;  // queries and keys, below kLargeDimV
 
 bool aliasing_v_rows(const AttentionParams& p, int64_t row_floats) {
-  return p.head_dim_v >= kLargeDimV && row_floats % kAliasingStrideFloats == 0;
+  if (row_floats % kAliasingStrideFloats != 0) return false;
+  if (p.head_dim_v >= kLargeDimV) return true;
+  return kSmallDimAliasingMeasured && p.len_q >= kAliasingMinLength &&
+         p.len_k >= kAliasingMinLength;
 }
 
 // The row stride of a packed copy of V rows (packed K rows are head_dim floats).

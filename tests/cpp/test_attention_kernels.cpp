@@ -71,6 +71,10 @@ std::vector<Case> shape_grid() {
   // Long sequences from head dim 64 on: panels too (AVX2), with a ragged last panel and key
   // tile, Dv != D, GQA; with 32-query tiles (AVX2: kPanelQueryTile) and a ragged last one.
   cases.push_back({1, 2, 1, 2050, 2053, 128, 64});
+  // 1024+ queries and keys below the panel lengths, V rows 128 or 256 floats apart (contiguous,
+  // (B, L, H, D)): with 256-bit vectors V is copied to rows 144 floats apart, which do not
+  // alias in L1 (aliasing_v_rows); a ragged last key tile.
+  cases.push_back({1, 1, 1, 1030, 1100, 128, 128});
   return cases;
 }
 
