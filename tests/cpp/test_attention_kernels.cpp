@@ -71,10 +71,12 @@ std::vector<Case> shape_grid() {
   // Long sequences from head dim 64 on: panels too (AVX2), with a ragged last panel and key
   // tile, Dv != D, GQA; with 32-query tiles (AVX2: kPanelQueryTile) and a ragged last one.
   cases.push_back({1, 2, 1, 2050, 2053, 128, 64});
-  // 1024+ queries and keys below the panel lengths, V rows 128 or 256 floats apart (contiguous,
-  // (B, L, H, D)): with 256-bit vectors V is copied to rows 144 floats apart, which do not
-  // alias in L1 (aliasing_v_rows); a ragged last key tile.
+  // 1024+ queries and keys below the panel lengths (256-bit vectors; a ragged last key tile):
+  // V rows 128 floats apart copied to rows 144 apart, which do not alias in L1
+  // (aliasing_v_rows); and (B, L, H, D) storage, whose K and V rows are copied to rows head_dim
+  // apart (strided_rows_copied).
   cases.push_back({1, 1, 1, 1030, 1100, 128, 128});
+  cases.push_back({1, 2, 2, 1030, 1100, 40, 40});
   return cases;
 }
 
