@@ -1,0 +1,91 @@
+"""What diffusers' memory layout costs: npu_attn's `tiled` and torch's SDPA on the named model
+shapes with contiguous (B, H, L, D) inputs (what `python -m npu_attn bench` times) and with
+(B, L, H, D) storage viewed as (B, H, L, D), which diffusers' attention processors pass. All four
+calls of a shape run in one process, interleaved (the order reversed every other round), and
+the medians are printed with the CPU.
+
+    python bench/layout_cost.py --filter "SD1.5,SDXL self 32x32" --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import npu_attn
+from npu_attn.runtime.controls import cpu_identity
+from npu_attn.tools.bench import model_cases
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+def make_tensor(case, length: int, layout: str, gen) -> torch.Tensor:
+    if layout == "bhsd":
+        return torch.randn(case.batch, case.heads, length, case.head_dim, generator=gen)
+    stored = torch.randn(case.batch, length, case.heads, case.head_dim, generator=gen)
+    return stored.transpose(1, 2)
+
+
+def calls(case) -> dict:
+    """The four calls of one shape: {"tiled bhsd": fn, "torch bhsd": fn, ...}."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for layout in LAYOUTS:
+        q, k, v = (make_tensor(case, n, layout, gen) for n in (case.len_q, case.len_k, case.len_k))
+        out[f"tiled {layout}"] = lambda q=q, k=k, v=v: npu_attn.scaled_dot_product_attention(
+            q, k, v, backend="tiled"
+        )
+        out[f"torch {layout}"] = lambda q=q, k=k, v=v: (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        )
+    return out
+
+
+def medians(fns: dict, rounds: int) -> dict:
+    times = {name: [] for name in fns}
+    with torch.no_grad():
+        for fn in fns.values():  # warm-up
+            fn()
+        for index in range(rounds):
+            order = list(fns) if index % 2 == 0 else list(fns)[::-1]
+            for name in order:
+                start = time.perf_counter()
+                fns[name]()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e3 for name, values in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--filter", default="SD1.5,SDXL self 32x32")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    wanted = [text.strip() for text in args.filter.split(",")]
+    print(f"# CPU: {cpu_identity()}; {args.threads} threads; median of {args.rounds}")
+    print(
+        "| case | torch (B, H, L, D) ms | tiled (B, H, L, D) ms | speed-up "
+        "| torch (B, L, H, D) ms | tiled (B, L, H, D) ms | speed-up |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for case in model_cases():
+        if not any(text in case.name for text in wanted):
+            continue
+        m = medians(calls(case), args.rounds)
+        cells = []
+        for layout in LAYOUTS:
+            torch_ms, tiled_ms = m[f"torch {layout}"], m[f"tiled {layout}"]
+            cells += [f"{torch_ms:.2f}", f"{tiled_ms:.2f}", f"{torch_ms / tiled_ms:.2f}x"]
+        print(f"| {case.name} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
