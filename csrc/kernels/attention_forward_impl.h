@@ -111,17 +111,21 @@ constexpr int kTileQueryVecs =
 // copy (rows head_dim_v apart) measured on Zen 3 (float32, 2 threads, A/B of the builds on
 // (B, L, H, D) inputs, outputs bit-identical): SD-1.5 32x32 (1024 tokens, head dim 80) 0.86x
 // the time, SDXL 32x32 (1024, 64) 0.93x; at 256 keys (SD-1.5 16x16) 1.00x and at 64 (8x8)
-// 1.10x, where the copy's extra pass costs more than it saves, hence kAliasingMinLength.
+// 1.10x, where the copy's extra pass costs more than it saves, hence kRowCopyMinLength.
 constexpr int64_t kAliasingStrideFloats = 128;
 constexpr int64_t kLineFloats = 16;
-constexpr bool kSmallDimAliasingMeasured = kVecBytes == 32;
-constexpr int64_t kAliasingMinLength = 1024;  // queries and keys, below kLargeDimV
+constexpr bool kRowCopiesMeasured = kVecBytes == 32;
+constexpr int64_t kRowCopyMinLength = 1024;  // queries and keys, below kLargeDimV
+
+// Whether copying rows read in place pays for its extra pass over K or V (below kLargeDimV):
+// with 256-bit vectors, from kRowCopyMinLength queries and keys.
+bool row_copies_pay(const AttentionParams& p) {
+  return kRowCopiesMeasured && p.len_q >= kRowCopyMinLength && p.len_k >= kRowCopyMinLength;
+}
 
 bool aliasing_v_rows(const AttentionParams& p, int64_t row_floats) {
   if (row_floats % kAliasingStrideFloats != 0) return false;
-  if (p.head_dim_v >= kLargeDimV) return true;
-  return kSmallDimAliasingMeasured && p.len_q >= kAliasingMinLength &&
-         p.len_k >= kAliasingMinLength;
+  return p.head_dim_v >= kLargeDimV || row_copies_pay(p);
 }
 
 // The row stride of a packed copy of V rows (packed K rows are head_dim floats).
@@ -133,14 +137,13 @@ int64_t packed_v_row_floats(const AttentionParams& p) {
 // diffusers' (B, L, H, D) storage puts them heads x head_dim floats apart, so one head's K and
 // V spread over H times the memory (5 MiB each at SD-1.5 64x64, 4096 tokens of 8 x 40: over
 // 2500 pages of 4 KiB, more than the core's second-level TLB maps) and share L1 sets. With
-// 256-bit vectors those rows are copied (pack_rows, rows head_dim apart) when queries and keys
-// number kAliasingMinLength or more. On Zen 3 (float32, 2 threads, A/B of the builds on
+// 256-bit vectors those rows are copied (pack_rows, rows head_dim apart) where row_copies_pay.
+// On Zen 3 (float32, 2 threads, A/B of the builds on
 // (B, L, H, D) inputs, outputs bit-identical), over the aliasing copy above: SD-1.5 64x64 0.84x
 // the time, SDXL 32x32 0.96x, SD-1.5 32x32 0.98x; 8x8 (64 tokens) keeps reading in place.
 // Not measured with other vector widths.
 bool strided_rows_copied(const AttentionParams& p, int64_t row_stride, int64_t dim) {
-  return kSmallDimAliasingMeasured && row_stride != dim && p.len_q >= kAliasingMinLength &&
-         p.len_k >= kAliasingMinLength;
+  return row_stride != dim && row_copies_pay(p);
 }
 
 // Keys per P*V pass for the call's value head dim (shared by plan_tiled and plan_pairs).
@@ -305,8 +308,9 @@ Tiling plan_tiled(const AttentionParams& p, int threads) {
   t.block_k = min_i64(key_tile, max_i64(p.len_k, 1));
   t.pv_key_chunk = t.v_panels ? panel_pv_key_chunk(p, t.block_k) : pv_key_chunk_for(p);
   // The kernels read float32 K and V as rows with unit stride along the head dim; only other
-  // layouts (e.g. a transposed view), 16-bit types (converted once here), large-Dv V rows
-  // that alias in L1 (aliasing_v_rows) and panels need a packed copy.
+  // layouts (e.g. a transposed view), 16-bit types (converted once here), V rows that alias in
+  // L1 (aliasing_v_rows), long (B, L, H, D) rows (strided_rows_copied) and panels need a
+  // packed copy.
   const bool convert = !__is_same(T, float);
   t.pack_k = convert || p.k_stride[3] != 1 || t.k_panels ||
              strided_rows_copied(p, p.k_stride[2], p.head_dim);
