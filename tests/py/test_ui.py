@@ -378,16 +378,23 @@ def test_accelerations_apply_for_the_generation_only(model, accelerations):
 @pytest.mark.parametrize("mode", ["compile", "freeze"])
 def test_graph_mode_applies_for_the_generation_only(mode):
     """compile / compile + freeze from the page: the denoiser runs compiled (torch.compile,
-    frozen weights for "freeze") during the generation, and eager again afterwards."""
+    frozen weights for "freeze") during the generation, in one graph (no attention timer
+    splitting it at each attention call), and eager again afterwards."""
+    from torch._dynamo.utils import counters
+
     from npu_attn.graph.mode import compiled_components
 
     studio = Studio()
     request = Request(model="tiny", steps=2, strategy="tiled", accelerations=(mode,))
     during = []
+    counters.clear()
     (image,) = studio.generate(
         request, lambda _: during.append(compiled_components(studio.pipeline(request)))
     )
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert image.steps_done == 2 and image.seconds_per_step > 0
+    assert image.attention_share is None and "graph mode" in image.untimed_because
+    assert "not timed (graph mode" in ui.timing_markdown([image], 1)
     assert during and all("unet" in compiled for compiled in during), during
     assert during[-1]["unet"] is not None  # called: its first call was timed
     assert compiled_components(studio.pipeline(request)) == {}  # eager afterwards

@@ -106,9 +106,10 @@ class GeneratedImage:
     index: int
     image: Any  # PIL image
     seconds_per_step: float
-    attention_share: Optional[float]  # None: attention ran outside npu_attn (not timed)
+    attention_share: Optional[float]  # None: not timed, for `untimed_because`
     steps_done: int
     cancelled: bool = False
+    untimed_because: str = ""  # why attention_share is None
 
 
 @dataclass
@@ -390,11 +391,12 @@ class Studio:
         not a step); the attention share is over the same span."""
         import torch
 
-        loop = {"start": time.perf_counter(), "end": None, "attention": attention_clock[0]}
-        attention_start = attention_clock[0]
+        clock = attention_clock or [0.0, 0]
+        loop = {"start": time.perf_counter(), "end": None, "attention": clock[0]}
+        attention_start = clock[0]
 
         def step_end(pipeline, step, timestep, callback_kwargs):
-            loop["end"], loop["attention"] = time.perf_counter(), attention_clock[0]
+            loop["end"], loop["attention"] = time.perf_counter(), clock[0]
             progress.step_done(step + 1)
             if self._cancel.is_set():
                 pipeline._interrupt = True  # diffusers skips the remaining steps
@@ -410,13 +412,18 @@ class Studio:
                 callback_on_step_end=step_end,
             ).images[0]
         seconds = (loop["end"] or time.perf_counter()) - loop["start"]
-        timed = attention_clock[1] > 0  # else attention never went through npu_attn
-        share = (loop["attention"] - attention_start) / seconds if timed and seconds else None
+        untimed_because = ""
+        if attention_clock is None:
+            untimed_because = "graph mode: it runs inside the compiled graph"
+        elif attention_clock[1] == 0:
+            untimed_because = "diffusers' own attention"
+        share = (loop["attention"] - attention_start) / seconds if seconds else None
         return GeneratedImage(
             index=progress.index,
             image=image,
             seconds_per_step=seconds / max(1, progress.steps_done),
-            attention_share=share,
+            attention_share=None if untimed_because else share,
+            untimed_because=untimed_because,
             steps_done=progress.steps_done,
             # a Cancel arriving after the last step (during the decode) cancelled nothing here
             cancelled=self._cancel.is_set() and progress.steps_done < request.steps,
@@ -485,16 +492,18 @@ def compare_configs(configs, labels: list[str]) -> tuple:
 def configured(pipe, request: Request) -> Iterator[list]:
     """The request's attention strategy (timed, for the attention share) and accelerations on
     `pipe`, all removed on exit. Yields the attention clock: [seconds spent in npu_attn's
-    attention runner, calls], growing as the pipeline runs."""
+    attention runner, calls], growing as the pipeline runs; None in graph mode, where a timer
+    around each attention call would split the compiled graph there (dynamo cannot trace
+    time.perf_counter) and run the rest of each attention block eagerly."""
     from ..accel.registry import accelerate, reset_acceleration
     from ..graph.mode import compile as compile_pipeline
     from ..graph.mode import release_compiled_graphs, reset_compile
     from ..integration.processors import set_attention_strategy
     from .demo import time_attention
 
-    # Processors look their runner up when created: the timer goes in before switching.
-    spent, restore = time_attention(request.strategy)
     compiling = {"compile", "freeze"} & set(request.accelerations)
+    # Processors look their runner up when created: the timer goes in before switching.
+    spent, restore = (None, lambda: None) if compiling else time_attention(request.strategy)
     try:
         reset_acceleration(pipe)
         set_attention_strategy(pipe, request.strategy)

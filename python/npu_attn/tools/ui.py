@@ -75,7 +75,7 @@ def timing_markdown(images: list[GeneratedImage], total: int) -> str:
     lines = []
     for image in images:
         share = (
-            "not timed (diffusers' own attention)"
+            f"not timed ({image.untimed_because})"
             if image.attention_share is None
             else f"{100 * image.attention_share:.0f}% of the step"
         )
