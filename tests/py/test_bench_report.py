@@ -190,3 +190,42 @@ def test_skipped_competitors_never_run_and_the_report_says_why(monkeypatch, tmp_
             bench.main([option, value])
         assert exit_info.value.code == 2
         assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_the_bshd_layout_times_diffusers_strided_views(monkeypatch, tmp_path, backward):
+    """``--layout bshd``: every competitor gets (B, H, L, D) views of (B, L, H, D) storage, as
+    diffusers' processors pass them (rows heads * head_dim apart), and the rows say so; the
+    default stays contiguous (B, H, L, D)."""
+    import json
+
+    import torch
+
+    from npu_attn.tools import bench
+
+    case = bench.Case("tiny self", 2, 3, 16, 20, 8, backward=backward)
+    q, k, v = bench.make_inputs(case)
+    assert q.is_contiguous() and k.shape == (2, 3, 20, 8)
+    strided = bench.make_inputs(bench.dataclasses.replace(case, layout="bshd"))
+    for t, n in zip(strided, (16, 20, 20)):
+        assert t.shape == (2, 3, n, 8) and t.stride() == (n * 3 * 8, 8, 3 * 8, 1)
+        assert t.is_leaf and t.requires_grad == backward
+
+    seen = []
+    real = bench.competitor_functions()
+    recording = {
+        n: (lambda q, k, v, f=f: seen.append(q.stride()) or f(q, k, v)) for n, f in real.items()
+    }
+    monkeypatch.setattr(bench, "competitor_functions", lambda: recording)
+    monkeypatch.setattr(bench, "model_cases", lambda: [case])
+    threads = torch.get_num_threads()
+    out = tmp_path / "report.json"
+    args = ["--filter", "tiny", "--skip", "vanilla,int8", "--repeats", "1", "--no-memory"]
+    args += ["--layout", "bshd", "--json", str(out), "--plots", str(tmp_path)]
+    args += ["--backward"] if backward else []
+    assert bench.main(args) == 0
+    torch.set_num_threads(threads)
+    assert seen and set(seen) == {(16 * 3 * 8, 8, 3 * 8, 1)}
+    row = json.loads(out.read_text())["cases"][0]
+    assert row["dims"].endswith(" bshd") and row["max_abs_diff_tiled_vs_sdpa"] < 1e-5
+    assert "--layout bshd" in json.loads(out.read_text())["command"]

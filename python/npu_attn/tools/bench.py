@@ -53,6 +53,7 @@ class Case:
     group: str = "model"  # "model" (named shapes), "target" or "sweep"
     dtype: str = "float32"
     backward: bool = False  # time forward + backward instead of forward only
+    layout: str = "bhsd"  # storage: "bhsd" contiguous, "bshd" as diffusers' processors pass it
 
     @property
     def flops(self) -> float:
@@ -68,6 +69,7 @@ class Case:
     def dims(self) -> str:
         extra = "" if self.dtype == "float32" else f" {self.dtype}"
         extra += " fwd+bwd" if self.backward else ""
+        extra += "" if self.layout == "bhsd" else f" {self.layout}"
         return f"B{self.batch} H{self.heads} Lq{self.len_q} Lk{self.len_k} D{self.head_dim}{extra}"
 
 
@@ -127,13 +129,14 @@ def make_inputs(case: Case, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
-    shapes = [(case.len_q,), (case.len_k,), (case.len_k,)]
-    tensors = [
-        torch.randn(case.batch, case.heads, n, case.head_dim, generator=g).to(dtype)
-        for (n,) in shapes
-    ]
-    if case.backward:
-        tensors = [t.requires_grad_(True) for t in tensors]
+    tensors = []
+    for n in (case.len_q, case.len_k, case.len_k):
+        if case.layout == "bshd":  # (B, L, H, D) storage viewed as (B, H, L, D), as diffusers'
+            # processors call SDPA: rows heads * head_dim apart
+            t = torch.randn(case.batch, n, case.heads, case.head_dim, generator=g).transpose(1, 2)
+        else:
+            t = torch.randn(case.batch, case.heads, n, case.head_dim, generator=g)
+        tensors.append(t.to(dtype).detach().requires_grad_(case.backward))
     return tuple(tensors)
 
 
@@ -275,7 +278,10 @@ def run(args) -> dict:
     torch.set_num_threads(threads)
     _runtime.set_num_threads(threads)
     cases = model_cases() + target_cases() + sweep_cases()
-    cases = [dataclasses.replace(c, dtype=args.dtype, backward=args.backward) for c in cases]
+    cases = [
+        dataclasses.replace(c, dtype=args.dtype, backward=args.backward, layout=args.layout)
+        for c in cases
+    ]
     if args.quick:
         cases = [c for c in cases if c.flops <= 6e10]
     if args.filter:
@@ -365,6 +371,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         "otherwise bf16/fp16 are computed in float32)",
     )
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument(
+        "--layout",
+        default="bhsd",
+        choices=("bhsd", "bshd"),
+        help="storage of q, k, v (always passed as (B, H, L, D)): bhsd contiguous (default), or "
+        "bshd, (B, L, H, D) storage transposed, as diffusers' attention processors pass them",
+    )
     parser.add_argument(
         "--skip",
         type=_competitor_list,
