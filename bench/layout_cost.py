@@ -1,8 +1,9 @@
 """What diffusers' memory layout costs: npu_attn's `tiled` and torch's SDPA on the named model
 shapes with contiguous (B, H, L, D) inputs (what `python -m npu_attn bench` times) and with
 (B, L, H, D) storage viewed as (B, H, L, D), which diffusers' attention processors pass. All four
-calls of a shape run in one process, interleaved (the order reversed every other round), and
-the medians are printed with the CPU.
+calls of a shape run in one process, interleaved (rounds balanced for the predecessor, as in
+`bench`), and the medians are printed with the CPU. `bench --layout bshd` times the second
+layout alone.
 
     python bench/layout_cost.py --filter "SD1.5,SDXL self 32x32" --rounds 9
 """
@@ -10,6 +11,7 @@ the medians are printed with the CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -20,24 +22,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import npu_attn
 from npu_attn.runtime.controls import cpu_identity
-from npu_attn.tools.bench import model_cases
+from npu_attn.tools.bench import make_inputs, model_cases
+from npu_attn.tools.rounds import round_order
 
 LAYOUTS = ("bhsd", "bshd")
 
 
-def make_tensor(case, length: int, layout: str, gen) -> torch.Tensor:
-    if layout == "bhsd":
-        return torch.randn(case.batch, case.heads, length, case.head_dim, generator=gen)
-    stored = torch.randn(case.batch, length, case.heads, case.head_dim, generator=gen)
-    return stored.transpose(1, 2)
-
-
 def calls(case) -> dict:
     """The four calls of one shape: {"tiled bhsd": fn, "torch bhsd": fn, ...}."""
-    gen = torch.Generator().manual_seed(0)
     out = {}
     for layout in LAYOUTS:
-        q, k, v = (make_tensor(case, n, layout, gen) for n in (case.len_q, case.len_k, case.len_k))
+        q, k, v = make_inputs(dataclasses.replace(case, layout=layout))
         out[f"tiled {layout}"] = lambda q=q, k=k, v=v: npu_attn.scaled_dot_product_attention(
             q, k, v, backend="tiled"
         )
@@ -53,8 +48,7 @@ def medians(fns: dict, rounds: int) -> dict:
         for fn in fns.values():  # warm-up
             fn()
         for index in range(rounds):
-            order = list(fns) if index % 2 == 0 else list(fns)[::-1]
-            for name in order:
+            for name in round_order(list(fns), index):
                 start = time.perf_counter()
                 fns[name]()
                 times[name].append(time.perf_counter() - start)

@@ -138,10 +138,10 @@ int64_t packed_v_row_floats(const AttentionParams& p) {
 // V spread over H times the memory (5 MiB each at SD-1.5 64x64, 4096 tokens of 8 x 40: over
 // 2500 pages of 4 KiB, more than the core's second-level TLB maps) and share L1 sets. With
 // 256-bit vectors those rows are copied (pack_rows, rows head_dim apart) where row_copies_pay.
-// On Zen 3 (float32, 2 threads, A/B of the builds on
-// (B, L, H, D) inputs, outputs bit-identical), over the aliasing copy above: SD-1.5 64x64 0.84x
-// the time, SDXL 32x32 0.96x, SD-1.5 32x32 0.98x; 8x8 (64 tokens) keeps reading in place.
-// Not measured with other vector widths.
+// On Zen 3 (float32, 2 threads, A/B of the builds on (B, L, H, D) inputs, outputs
+// bit-identical), over the aliasing copy above: SD-1.5 64x64 0.84x the time, SDXL 32x32 0.96x,
+// SD-1.5 32x32 0.98x; 8x8 (64 tokens) keeps reading in place. Not measured with other vector
+// widths.
 bool strided_rows_copied(const AttentionParams& p, int64_t row_stride, int64_t dim) {
   return row_stride != dim && row_copies_pay(p);
 }

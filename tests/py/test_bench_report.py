@@ -197,6 +197,7 @@ def test_the_bshd_layout_times_diffusers_strided_views(monkeypatch, tmp_path, ba
     """``--layout bshd``: every competitor gets (B, H, L, D) views of (B, L, H, D) storage, as
     diffusers' processors pass them (rows heads * head_dim apart), and the rows say so; the
     default stays contiguous (B, H, L, D)."""
+    import dataclasses
     import json
 
     import torch
@@ -206,7 +207,7 @@ def test_the_bshd_layout_times_diffusers_strided_views(monkeypatch, tmp_path, ba
     case = bench.Case("tiny self", 2, 3, 16, 20, 8, backward=backward)
     q, k, v = bench.make_inputs(case)
     assert q.is_contiguous() and k.shape == (2, 3, 20, 8)
-    strided = bench.make_inputs(bench.dataclasses.replace(case, layout="bshd"))
+    strided = bench.make_inputs(dataclasses.replace(case, layout="bshd"))
     for t, n in zip(strided, (16, 20, 20)):
         assert t.shape == (2, 3, n, 8) and t.stride() == (n * 3 * 8, 8, 3 * 8, 1)
         assert t.is_leaf and t.requires_grad == backward
