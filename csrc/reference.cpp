@@ -14,7 +14,8 @@ namespace npu_attn {
 
 namespace {
 
-using Matrix = Eigen::MatrixXd;
+// Row-major: the softmax and the loads walk rows (one query's scores, one token's channels).
+using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
 
 double element_at(const void* base, ElementType type, int64_t offset) {
