@@ -247,35 +247,36 @@ def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():
         npu_attn.runtime.reuse_cpu_memory(False)
 
 
-def test_graph_mode_images_run_on_compiled_copies_and_leave_the_pipeline_eager(tmp_path):
-    """The graph-mode configurations (compiled + frozen tiled, and with Token Merging and
-    DeepCache): each on its own compiled copy of the pipeline, compile time reported apart, the
-    exact one identical to rounding, the benchmarked pipeline itself never compiled.
+def test_graph_mode_images_run_on_a_compiled_copy_and_leave_the_pipeline_eager(tmp_path):
+    """The fastest recipe's graph-mode configuration (ToMe + DeepCache + compiled + frozen
+    tiled, and its heap-reuse row) runs on its own compiled copy of the pipeline, its compile
+    time reported apart, the benchmarked pipeline itself never compiled, and its frozen
+    constants freed with it.
 
-    The first and the last compiled copy with their heap-reuse rows: the copies between them
-    (DeepCache alone) go through the same code, and each compile of even the tiny model takes
-    2-3 minutes of inductor on 2 cores (test_acceleration traces DeepCache alone, and compiles
-    it with Token Merging and freezing)."""
+    One compiled copy: each compile of even the tiny model takes 2-3 minutes of inductor on 2
+    cores. This one is the copy only this test compiles with inductor (test_acceleration
+    traces ToMe + DeepCache with the eager backend); the exact compiled + frozen UNet is
+    compared with eager in test_graph_mode, and the grouping of several copies with their
+    heap-reuse rows is checked without compiling below."""
     report_path = tmp_path / "r.json"
     argv = ["bench", "--e2e", "--images", "3", "--repeats", "1", "--model", "tiny-sdxl"]
     argv += ["--size", "32", "--dtype", "float32", "--json", str(report_path)]
     groups = graph_config_groups([c for c in image_configs("sdxl") if is_graph_config(c[2])])
     assert len(groups) >= 2 and "ToMe" in groups[-1][0][0] and "DeepCache" in groups[-1][0][0]
-    graph_labels = [c[0] for c in groups[0] + groups[-1]]
+    graph_labels = [c[0] for c in groups[-1]]
     assert main([*argv, "--configs", ",".join(graph_labels)]) == 0
     report = json.loads(report_path.read_text(encoding="utf-8"))
     assert list(report["seconds_per_image"]) == [LABELS[0], *graph_labels]
-    # the heap-reuse rows run on their sibling's compiled copy: no compile of their own
+    # the heap-reuse row runs on its sibling's compiled copy: no compile of its own
     compiled = [n for n in graph_labels if not n.endswith(REUSE)]
-    assert set(report["compile_and_warm_up_seconds"]) == set(compiled)
+    assert set(report["compile_and_warm_up_seconds"]) == set(compiled) and len(compiled) == 1
     psnr = report["psnr_db_vs_baseline"]
-    assert psnr["compiled tiled (frozen)"] > 60, psnr  # exact: float rounding only
-    if _C.heap_reuse_supported():
-        assert psnr[f"compiled tiled (frozen){REUSE}"] > 60, psnr
-    assert all(psnr[n] > 10 for n in graph_labels), psnr
+    # lossy by Token Merging and DeepCache alone (42.8-43.4 dB on Zen 3): a compiled copy that
+    # computed another model than the pipeline's would be far below
+    assert all(psnr[n] > 30 for n in graph_labels), psnr
     assert not npu_attn.runtime.cpu_memory_reuse_enabled()  # back off after the reuse rows
     assert "Graph mode, compile + warm-up image" in images_markdown(report)
-    # Each configuration's frozen constants were freed with it (inductor's generated modules
+    # The configuration's frozen constants were freed with it (inductor's generated modules
     # would keep them): none is left in a generated module after the run.
     assert not tensors_kept_by_generated_code()
 
