@@ -47,6 +47,8 @@ rows and what it does not). The web UI's compare tab runs the same code (compare
 the graph-mode ones. ``--model sdxl`` is SDXL base 1.0's architecture (its UNet, VAE and Euler
 scheduler, random weights, prompts as random embeddings with SDXL's pooled ones) at 1024x1024 by
 default; ``--size`` picks another size. ``--plot`` writes either report as a bar chart.
+diffusers' and transformers' configuration and deprecation warnings are silenced while it runs,
+as in the demo (set DIFFUSERS_VERBOSITY or TRANSFORMERS_VERBOSITY to see them).
 """
 
 from __future__ import annotations
@@ -828,6 +830,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         FAMILIES,
         UNET_ARCHITECTURES,
         architecture_summary,
+        quiet_third_party_warnings,
         size_problem,
         vae_scale_factor,
     )
@@ -922,6 +925,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 select_step_competitors(args.configs)
             except ValueError as e:
                 parser.error(f"{e}; per-image configurations need --images")
+    with quiet_third_party_warnings():
+        return run_and_report(args)
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """Runs the per-image or per-step comparison the checked arguments ask for; prints its
+    table and writes its JSON and chart. 2 for a configuration this pipeline cannot run."""
     if args.images is not None:
         try:
             report = run_images(args)

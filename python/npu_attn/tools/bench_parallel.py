@@ -320,7 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from .pipelines import quiet_third_party_warnings
+
     args = build_parser().parse_args(argv)
+    with quiet_third_party_warnings():
+        return compare(args)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """One process against ``args.world`` CFG-parallel ones (or, when started as a rank, that
+    rank's part)."""
     if args.worker or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # started by us or torchrun
         return worker(args)
     threads = args.threads or os.cpu_count() or 1

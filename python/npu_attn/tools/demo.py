@@ -38,15 +38,11 @@ lines and errors are shown.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import logging
 import math
-import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -63,13 +59,12 @@ from .pipelines import (
     pipeline_family,
     prompt_embeddings,
     psnr_db,
+    quiet_third_party_warnings,
     relative_error,
     size_problem,
     vae_scale_factor,
 )
 
-# Libraries whose configuration chatter the demo silences (see quiet_third_party_warnings).
-THIRD_PARTY_LIBRARIES = ("diffusers", "transformers")
 FLOAT32_REFERENCE_LABEL = "sdpa, float32"
 
 
@@ -451,41 +446,6 @@ def report(rows, reference, auto_steady, cost, args, title) -> None:
 
 
 # --------------------------------------------------------------------------- command line
-@contextlib.contextmanager
-def quiet_third_party_warnings():
-    """Silences diffusers' and transformers' configuration chatter while the demo runs.
-
-    Their warnings are about config files, dtype casts and optional packages ("The config
-    attributes ... were passed to ..., but are not expected", "should be kept in float32",
-    FutureWarnings), not about the user's run, and they bury the table. Their loggers keep
-    errors; their FutureWarning and DeprecationWarning are ignored. npu_attn's logger and every
-    other warning are untouched, and levels and filters are restored on exit, so a program that
-    calls :func:`main` keeps its own settings. A library whose ``<NAME>_VERBOSITY`` is set is
-    left as the user asked.
-    """
-    saved_levels = {}
-    with warnings.catch_warnings():
-        for name in THIRD_PARTY_LIBRARIES:
-            if os.environ.get(f"{name.upper()}_VERBOSITY"):
-                continue
-            for category in (FutureWarning, DeprecationWarning):
-                warnings.filterwarnings("ignore", category=category, module=rf"{name}(\.|$)")
-            try:
-                # Importing configures the library's logger, which would reset a level set
-                # earlier; diffusers imports transformers for Stable Diffusion anyway.
-                importlib.import_module(name)
-            except ImportError:
-                continue
-            logger = logging.getLogger(name)
-            saved_levels[name] = logger.level
-            logger.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for name, level in saved_levels.items():
-                logging.getLogger(name).setLevel(level)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m npu_attn demo",

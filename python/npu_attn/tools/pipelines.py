@@ -10,8 +10,13 @@ what a generation needs before anything is built: parameters, sizes a model take
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import logging
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -760,3 +765,42 @@ def estimated_memory_bytes(model: str, size: int, dtype: str = "float32", images
     vae_params, upcasts = vae_summary(model)
     decode = float32_decode_bytes(dtype, upcasts, vae_params, vae_channels, size, images)
     return parameter_count(model) * element_bytes + activations + decode
+
+
+# Libraries whose configuration chatter the tools silence (quiet_third_party_warnings).
+THIRD_PARTY_LIBRARIES = ("diffusers", "transformers")
+
+
+@contextlib.contextmanager
+def quiet_third_party_warnings():
+    """Silences diffusers' and transformers' configuration chatter while a tool runs.
+
+    Their warnings are about config files, dtype casts and optional packages ("The config
+    attributes ... were passed to ..., but are not expected", "should be kept in float32",
+    FutureWarnings), not about the user's run, and they bury the tool's tables. Their loggers keep
+    errors; their FutureWarning and DeprecationWarning are ignored. npu_attn's logger and every
+    other warning are untouched, and levels and filters are restored on exit, so a program that
+    calls a tool's ``main`` keeps its own settings. A library whose ``<NAME>_VERBOSITY`` is set is
+    left as the user asked.
+    """
+    saved_levels = {}
+    with warnings.catch_warnings():
+        for name in THIRD_PARTY_LIBRARIES:
+            if os.environ.get(f"{name.upper()}_VERBOSITY"):
+                continue
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=rf"{name}(\.|$)")
+            try:
+                # Importing configures the library's logger, which would reset a level set
+                # earlier; diffusers imports transformers for Stable Diffusion anyway.
+                importlib.import_module(name)
+            except ImportError:
+                continue
+            logger = logging.getLogger(name)
+            saved_levels[name] = logger.level
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for name, level in saved_levels.items():
+                logging.getLogger(name).setLevel(level)

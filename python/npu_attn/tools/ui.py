@@ -414,7 +414,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             + (" and load models from its disk" if args.allow_local_models else ""),
             file=sys.stderr,
         )
-    from .demo import quiet_third_party_warnings
+    from .pipelines import quiet_third_party_warnings
 
     with quiet_third_party_warnings():
         studio = Studio(allow_local_models=args.allow_local_models)
