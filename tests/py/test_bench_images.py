@@ -272,9 +272,9 @@ def test_graph_mode_images_run_on_a_compiled_copy_and_leave_the_pipeline_eager(t
 
     One compiled copy: each compile of even the tiny model takes 2-3 minutes of inductor on 2
     cores. This one is the copy only this test compiles with inductor (test_acceleration
-    traces ToMe + DeepCache with the eager backend); the exact compiled + frozen UNet is
-    compared with eager in test_graph_mode, and the grouping of several copies with their
-    heap-reuse rows is checked without compiling below."""
+    traces ToMe + DeepCache under the freezing flag with a counting backend, no inductor); the
+    exact compiled + frozen UNet is compared with eager in test_graph_mode, and the grouping of
+    several copies with their heap-reuse rows is checked without compiling below."""
     report_path = tmp_path / "r.json"
     argv = ["bench", "--e2e", "--images", "3", "--repeats", "1", "--model", "tiny-sdxl"]
     argv += ["--size", "32", "--dtype", "float32", "--json", str(report_path)]
