@@ -49,4 +49,11 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build/asan --output-on-failure -j "$JOBS"
 
 echo "==> Python tests"
-python -m pytest tests/py --durations=25  # the slowest tests, to keep CI within its budget
+# In up to four worker processes (pytest-xdist), a test file per worker at a time, so each
+# file's module-scoped pipelines are still built once. Most of the suite's time is inductor
+# compiling graphs in single-threaded Python, which leaves a core idle; on 2 cores two workers
+# took 25 minutes instead of 36. Waiting OpenMP threads sleep instead of spinning, since two
+# workers' thread teams share the cores (as ctest's processes do: tests/cpp/CMakeLists.txt).
+PYTEST_WORKERS=$((JOBS < 4 ? JOBS : 4))
+OMP_WAIT_POLICY=PASSIVE python -m pytest tests/py -n "$PYTEST_WORKERS" --dist loadfile \
+  --durations=25  # the slowest tests, to keep CI within its budget
