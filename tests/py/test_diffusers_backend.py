@@ -137,6 +137,29 @@ def test_compiled_flux_runs_the_registered_op_in_one_graph_and_recompiles_on_swi
     close(native, eager, 1e-4)
 
 
+def test_the_backend_looks_its_runner_up_on_every_call():
+    """A wrapper put around a strategy's runner and removed again (the demo's attention timer)
+    must not stay in diffusers' registry, which is filled once per process: it did, when the
+    registration happened under the timer, and every later compiled graph broke at the timer's
+    time.perf_counter."""
+    from npu_attn.tools.demo import time_attention
+
+    model = tiny_flux()
+    spent, restore = time_attention("tiled")
+    try:
+        npu_attn.register_diffusers_backends()  # maybe the first registration: under the timer
+        model.set_attention_backend("npu_attn")
+        with torch.no_grad():
+            run_flux(model)
+        timed_calls = spent[1]
+    finally:
+        restore()
+    with torch.no_grad():
+        run_flux(model)
+    assert timed_calls > 0, "the backend did not reach the wrapped runner"
+    assert spent[1] == timed_calls, "the removed wrapper still runs"
+
+
 def test_what_the_backend_cannot_do_raises_clearly(monkeypatch):
     monkeypatch.setattr(strategies, "_fallback_warned", set())  # warnings are once per process
     npu_attn.register_diffusers_backends()

@@ -68,8 +68,12 @@ def _add_enum_member(enum_cls: type, name: str, value: str) -> enum.Enum:
 
 
 def _dispatcher_function(strategy: str) -> Callable[..., torch.Tensor]:
-    """The function the dispatcher calls: (B, S, H, D) tensors as diffusers passes them."""
-    run = strategies.RUNNERS[strategy]
+    """The function the dispatcher calls: (B, S, H, D) tensors as diffusers passes them.
+
+    It looks the strategy's runner up on every call, not once here: it is registered once per
+    process, and a runner wrapped at that moment (the demo's attention timer) would otherwise
+    stay in diffusers' registry after it is removed, and split every compiled graph at its
+    ``time.perf_counter``."""
 
     def npu_attn_attention(
         query: torch.Tensor,
@@ -103,7 +107,7 @@ def _dispatcher_function(strategy: str) -> Callable[..., torch.Tensor]:
         ):
             attn_mask = attn_mask[:, None, None, :]
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        out = run(
+        out = strategies.RUNNERS[strategy](
             q,
             k,
             v,
