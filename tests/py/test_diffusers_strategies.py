@@ -271,3 +271,43 @@ def test_redirect_leaves_sdpa_outside_wrapped_processors_untouched():
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     assert strategies.call_counts() == {}
     assert torch.allclose(out, strategies.vanilla_attention(q, q, q), atol=1e-6)
+
+
+def test_processors_look_their_runner_up_on_every_call():
+    """A runner wrapped while the processors were made (the demo's attention timer) must not
+    outlive its wrapper: the processors kept it, and any compiled graph of the model broke at
+    the timer's time.perf_counter."""
+    from npu_attn.tools.demo import time_attention
+
+    unet = tiny_unet()
+    spent, restore = time_attention("tiled")
+    try:
+        npu_attn.set_attention_strategy(unet, "tiled")
+        with torch.no_grad():
+            run_unet(unet)
+        timed_calls = spent[1]
+    finally:
+        restore()
+    strategies.reset_call_counts()
+    with torch.no_grad():
+        run_unet(unet)
+    assert timed_calls > 0, "the processors did not reach the wrapped runner"
+    assert spent[1] == timed_calls, "the removed wrapper still runs"
+    assert strategies.call_counts().get("tiled", 0) > 0
+
+
+def test_redirect_comes_back_when_torchs_function_is_put_back(monkeypatch):
+    """Code that wraps F.scaled_dot_product_attention for a while and then restores the function
+    it found (a call recorder) may have found torch's own, when npu_attn's first redirect was
+    installed inside its window: the switched model must still reach its strategy after that,
+    not fall silently through to torch."""
+    from npu_attn.attention.backends.torch_sdpa import ORIGINAL_SDPA
+
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ORIGINAL_SDPA)
+    strategies.reset_call_counts()
+    with torch.no_grad():
+        run_unet(unet)
+    assert strategies.call_counts().get("tiled", 0) > 0
+    assert torch.nn.functional.scaled_dot_product_attention is not ORIGINAL_SDPA

@@ -51,15 +51,20 @@ class _RoutesSdpa(RoutedProcessor):
     def _bind(self, inner: Any, strategy: str) -> None:
         self.inner = inner
         self.strategy = strategy
-        self.route = strategies.RUNNERS[strategy]
+
+    @property
+    def route(self) -> Any:
+        """The strategy's runner, looked up on every call rather than kept: a runner wrapped
+        while this processor was made (the demo's attention timer) must not outlive its
+        wrapper, whose time.perf_counter would split compiled graphs."""
+        return strategies.RUNNERS[self.strategy]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy!r}, inner={self.inner!r})"
 
     # Pickling (torch.save of a switched model). The classes routed_class makes at run time
     # cannot be found by name, so they pickle as "the wrapper class of <inner class>" and are
-    # remade on load. The runner is not pickled (it can be a closure or this process's auto
-    # selector): it is looked up again from the strategy name.
+    # remade on load. The runner is not pickled: it is looked up from the strategy name.
     def __reduce__(self):
         if isinstance(self, torch.nn.Module):
             state = torch.nn.Module.__getstate__(self)
@@ -75,7 +80,6 @@ class _RoutesSdpa(RoutedProcessor):
             torch.nn.Module.__setstate__(self, state)
         else:
             self.__dict__.update(state)
-        self.route = strategies.RUNNERS[self.strategy]
 
 
 class StrategyProcessor(_RoutesSdpa, FallThrough):

@@ -45,11 +45,14 @@ _traced_route: Optional[SdpaFunction] = None
 
 
 def install() -> None:
-    """Install the pass-through shim (idempotent, thread-safe)."""
+    """Install the pass-through shim (idempotent, thread-safe). Also again when torch's own
+    function is back in place: code that wraps ``F.scaled_dot_product_attention`` for a while
+    and then restores the function it found (a call recorder) can have found torch's, if our
+    first install happened inside its window."""
     global _installed
     with _install_lock:
-        if _installed:
-            return
+        if _installed and F.scaled_dot_product_attention is not ORIGINAL_SDPA:
+            return  # ours, or someone's wrapper, which may call ours
         original = ORIGINAL_SDPA
 
         @functools.wraps(original)
@@ -85,5 +88,7 @@ def call_routed(fn: SdpaFunction, inner: Callable, *args, **kwargs):
             return inner(*args, **kwargs)
         finally:
             _traced_route = previous
+    if F.scaled_dot_product_attention is ORIGINAL_SDPA:  # the shim was removed (see install)
+        install()
     with redirected(fn):
         return inner(*args, **kwargs)

@@ -102,7 +102,8 @@ class AutoCost:
 
 def time_attention(strategy: str):
     """Replaces the strategy's runner by a timed one; returns ([seconds, calls] inside it,
-    restore). Processors look their runner up when created: switch the strategy after."""
+    restore). npu_attn's processors and dispatcher backend look the runner up on every call,
+    so they run the timer while it is in place, and never after ``restore()``."""
     from ..attention import strategies
 
     spent = [0.0, 0]  # seconds, calls
@@ -131,10 +132,9 @@ def denoise(pipe, strategy: str, args, embeds, dm, label: Optional[str] = None) 
     label = label or strategy
     pipe.set_progress_bar_config(desc=f"{label:>7} denoising")
     fit_size(pipe, args.size)
-    # Processors look their runner up when created, so the timer goes in before switching.
     spent, restore = time_attention(strategy)
-    set_attention_strategy(pipe, strategy)
     try:
+        set_attention_strategy(pipe, strategy)
         with measure_peak() as memory, torch.no_grad():
             start = time.perf_counter()
             latents = pipe(

@@ -502,7 +502,7 @@ def configured(pipe, request: Request) -> Iterator[list]:
     from .demo import time_attention
 
     compiling = {"compile", "freeze"} & set(request.accelerations)
-    # Processors look their runner up when created: the timer goes in before switching.
+    # The timer wraps the runner itself, which processors look up on every call.
     spent, restore = (None, lambda: None) if compiling else time_attention(request.strategy)
     try:
         reset_acceleration(pipe)
