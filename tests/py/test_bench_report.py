@@ -165,6 +165,7 @@ def test_skipped_competitors_never_run_and_the_report_says_why(monkeypatch, tmp_
 
     import torch
 
+    import npu_attn
     from npu_attn.tools import bench
 
     calls = []
@@ -175,8 +176,12 @@ def test_skipped_competitors_never_run_and_the_report_says_why(monkeypatch, tmp_
     threads = torch.get_num_threads()
     out = tmp_path / "report.json"
     args = ["--filter", "tiny", "--skip", "vanilla,int8", "--repeats", "2", "--no-memory"]
+    args += ["--threads", str(threads + 1)]
     assert bench.main(args + ["--json", str(out), "--plots", str(tmp_path)]) == 0
-    torch.set_num_threads(threads)
+    # the run's thread count is its own: torch's is restored, and npu_attn follows torch again
+    assert torch.get_num_threads() == threads
+    assert npu_attn.runtime.get_num_threads() == threads
+    assert json.loads(out.read_text())["machine"]["threads"] == threads + 1
     assert set(calls) == {"sdpa", "tiled"}
     row = json.loads(out.read_text())["cases"][0]["results"]
     assert row["vanilla"] == {"skipped": "skipped: left out (--skip vanilla)"}

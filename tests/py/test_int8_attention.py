@@ -63,6 +63,14 @@ def _isolated(tmp_path, monkeypatch):
     npu_attn.reset_attention_strategy(None)
 
 
+@pytest.fixture
+def forgets_decisions():
+    """The kernel decisions a test made from faked timings are dropped after it, also when it
+    fails: the tests after it in this process would otherwise run on them."""
+    yield
+    variant_choice.forget()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(MODEL_SHAPES), ids=list(MODEL_SHAPES))
 def test_accurate_on_every_named_model_shape(shape, dtype, monkeypatch):
@@ -120,7 +128,9 @@ def test_short_calls_run_the_exact_kernel_where_it_is_faster():
     assert npu_attn.call_counts()["int8->tiled"] == 2
 
 
-def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(tmp_path, monkeypatch):
+def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(
+    tmp_path, monkeypatch, forgets_decisions
+):
     """Per dtype, the int8 kernel runs only where it measured faster than the exact kernel
     (on Sapphire Rapids bfloat16's exact kernel runs on AMX tiles and int8 lost 0.25-0.44x)."""
     monkeypatch.undo()  # the real int8_pays, and no cache or environment of the fixture's
@@ -155,10 +165,11 @@ def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(tmp_pa
         "min_tokens": variant_choice.INT8_SHORT_LENGTHS[0],
         "source": "rule (NPU_ATTN_TUNE=0)",
     }
-    variant_choice.forget()
 
 
-def test_calls_shorter_than_the_measured_break_even_run_the_exact_kernel(tmp_path, monkeypatch):
+def test_calls_shorter_than_the_measured_break_even_run_the_exact_kernel(
+    tmp_path, monkeypatch, forgets_decisions
+):
     """Where int8 measured slower than the exact kernel at 256 tokens and faster from 512 (as on
     Sapphire Rapids with AVX-512 hidden; on Zen 3 it was faster from 256), a 256-token call
     runs the exact kernel and a 512-token one the int8 kernel."""
@@ -183,7 +194,6 @@ def test_calls_shorter_than_the_measured_break_even_run_the_exact_kernel(tmp_pat
     q, k, v = diffusion_like(512, 512, 64)
     sdpa(q, k, v, backend="int8")
     assert npu_attn.call_counts()["int8"] == 1
-    variant_choice.forget()
 
 
 @pytest.mark.parametrize(
@@ -204,7 +214,7 @@ def test_the_break_even_is_the_shortest_length_int8_won_from(short, expected):
     assert lost_long == {"pays": False, "min_tokens": None}
 
 
-def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch):
+def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch, forgets_decisions):
     monkeypatch.delenv("NPU_ATTN_TUNE", raising=False)
     monkeypatch.delenv("NPU_ATTN_ISA", raising=False)
     decision = variant_choice.tune_int8_pays("float32", force=True)
@@ -216,7 +226,6 @@ def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch):
     expected = variant_choice.decide_int8(ms, short)
     assert (decision["pays"], decision["min_tokens"]) == (expected["pays"], expected["min_tokens"])
     assert decision["kernels"]["int8"] in npu_attn.runtime.available_isas()
-    variant_choice.forget()
 
 
 def test_deterministic():

@@ -306,6 +306,23 @@ def test_thread_count_follows_torch_by_default():
     assert npu_attn.runtime.get_num_threads() == before
 
 
+def test_a_tool_runs_thread_count_is_restored_after_it_even_on_errors():
+    before = torch.get_num_threads()
+    with npu_attn.runtime.controls.threads_for_run(None) as count:
+        assert count == before == npu_attn.runtime.get_num_threads()
+    run_threads = npu_attn.runtime.controls.threads_for_run(before + 1)
+    with pytest.raises(RuntimeError, match="inside"), run_threads as count:
+        assert count == torch.get_num_threads() == npu_attn.runtime.get_num_threads()
+        assert count == before + 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    try:  # npu_attn follows torch again, rather than keeping the run's count
+        torch.set_num_threads(1)
+        assert npu_attn.runtime.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_concurrent_python_threads_get_correct_results():
     problems = [
         (

@@ -8,9 +8,11 @@ and importing fails with a clear message if the machine cannot run a requested v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from . import variant_choice
@@ -66,6 +68,25 @@ def set_num_threads(threads: Optional[int]) -> None:
         raise ValueError(f"threads must be between 1 and {MAX_THREADS}, got {threads}")
     _C.set_num_threads(threads)  # raises before anything is stored if C++ refuses it
     _explicit_threads = threads
+
+
+@contextlib.contextmanager
+def threads_for_run(threads: Optional[int]) -> Iterator[int]:
+    """torch and npu_attn's kernels on ``threads`` threads (None: torch's current count) for
+    one tool run (bench, demo), which yields the count. Both settings are restored afterwards,
+    on errors too: a tool's ``main()`` called from Python (a notebook, a test) leaves the
+    caller's thread counts as they were, and npu_attn's following torch's."""
+    import torch
+
+    torch_before, npu_attn_before = torch.get_num_threads(), _explicit_threads
+    count = threads or torch_before
+    torch.set_num_threads(count)
+    set_num_threads(count)
+    try:
+        yield count
+    finally:
+        torch.set_num_threads(torch_before)
+        set_num_threads(npu_attn_before)
 
 
 def get_num_threads() -> int:

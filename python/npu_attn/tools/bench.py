@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .arguments import at_least
+from .arguments import at_least, on_requested_threads
 from .bench_report import COMPETITORS, geomean, machine_info, markdown, plot
 from .rounds import round_order
 
@@ -268,15 +268,13 @@ def summarise(case: Case, times: dict[str, list[float]], peak: float) -> dict:
     return row
 
 
+@on_requested_threads
 def run(args) -> dict:
-    import torch
     from tqdm import tqdm
 
     from ..runtime import controls as _runtime
 
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    _runtime.set_num_threads(threads)
+    threads = _runtime.get_num_threads()  # set by on_requested_threads
     cases = model_cases() + target_cases() + sweep_cases()
     cases = [
         dataclasses.replace(c, dtype=args.dtype, backward=args.backward, layout=args.layout)

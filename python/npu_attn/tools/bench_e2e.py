@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .arguments import at_least
+from .arguments import at_least, on_requested_threads
 
 BASELINE = "eager sdpa"
 INT8 = "eager int8 (lossy)"
@@ -210,6 +210,7 @@ def select_step_competitors(wanted: Optional[str]) -> tuple[str, ...]:
     return tuple(name for name, _, _ in chosen)
 
 
+@on_requested_threads
 def run(args) -> dict:
     import torch
     from tqdm import tqdm
@@ -224,9 +225,7 @@ def run(args) -> dict:
     from .rounds import round_order
 
     dtype = getattr(torch, args.dtype)
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    _runtime.set_num_threads(threads)
+    threads = _runtime.get_num_threads()  # set by on_requested_threads
     unet = build_unet(args.model)
     inputs = make_inputs(unet, args.size, dtype, vae_scale_factor(args.model))
     chosen = select_step_competitors(getattr(args, "configs", None))
@@ -266,22 +265,25 @@ def run(args) -> dict:
         accelerate(unet_cl, channels_last=True)
         runners[f"eager tiled{CL}"] = torch_runner(unet_cl, inputs, "tiled", False, None)
     names = [n for n in STEP_COMPETITORS if n in runners and n in chosen]
-    for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
-        _set_heap_reuse(name, runners[name])
-        start = time.perf_counter()
-        runners[name]()
-        if name.startswith("compiled") and not name.endswith(REUSE):  # the first call compiles
-            setup_seconds[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {n: [] for n in names}
-    # Each round in an order balanced for the predecessor (rounds.round_order): a step's time
-    # depends on the heap and caches the step before it left.
-    for round_index in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
-        for name in round_order(names, round_index):
+    try:  # heap reuse is process-wide: off again afterwards, also when a step raises
+        for name in tqdm(names, desc="warm-up (compiles)", unit="competitor"):
             _set_heap_reuse(name, runners[name])
             start = time.perf_counter()
             runners[name]()
-            times[name].append(time.perf_counter() - start)
-    _set_heap_reuse("", None)
+            # (a compiled step's first call compiles)
+            if name.startswith("compiled") and not name.endswith(REUSE):
+                setup_seconds[name] = time.perf_counter() - start
+        # Each round in an order balanced for the predecessor (rounds.round_order): a step's
+        # time depends on the heap and caches the step before it left.
+        for round_index in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
+            for name in round_order(names, round_index):
+                _set_heap_reuse(name, runners[name])
+                start = time.perf_counter()
+                runners[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        _set_heap_reuse("", None)
     medians = {n: statistics.median(t) for n, t in times.items()}
     # What the attention kernels' own speed-ups predict for the tiled and int8 steps (one more
     # sdpa step records its attention calls, which are then replayed alone).
@@ -647,6 +649,7 @@ def sdcpp_runners(pipe, model: str, weight_types, threads: int, stack) -> list:
     return [sdcpp.SdCppRunner.load(folder, w, threads) for w in weight_types]
 
 
+@on_requested_threads
 def run_images(args) -> dict:
     """Seconds per image (``--images N`` denoising steps + VAE decode) of a pipeline of any
     family under each of its configurations (image_configs), interleaved after a 1-step
@@ -661,9 +664,7 @@ def run_images(args) -> dict:
     from .pipelines import FAMILIES, build_pipeline, prompt_embeddings
 
     dtype = getattr(torch, args.dtype)
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    _runtime.set_num_threads(threads)
+    threads = _runtime.get_num_threads()  # set by on_requested_threads
     pipe = build_pipeline(args.model).to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     graph = not getattr(args, "no_graph_mode", False)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .arguments import at_least
+from .arguments import at_least, on_requested_threads
 from .pipelines import (
     ARCHITECTURES,
     FAMILIES,
@@ -587,6 +587,7 @@ def run_parallel(args) -> int:
         shutdown_distributed()
 
 
+@on_requested_threads
 def run(args) -> int:
     """The demo itself (see the module docstring); 0 on success, 2 for an unusable --weights."""
     import torch
@@ -595,9 +596,6 @@ def run(args) -> int:
     from ..device import DeviceManager
     from ..runtime import controls as _runtime
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        _runtime.set_num_threads(args.threads)
     if args.parallel:
         return run_parallel(args)
     dm = DeviceManager()
