@@ -275,6 +275,21 @@ def test_doctor_text_and_failure_exit_code(monkeypatch, capsys):
     assert "vanilla  available, self-test FAILED" in capsys.readouterr().out
 
 
+def test_doctor_keeps_the_variant_the_caller_pinned(capsys):
+    """The doctor runs every kernel variant in turn; afterwards the caller's set_isa holds
+    again (it used to fall back to the measured choice)."""
+    pinned = npu_attn.runtime.available_isas()[0]
+    npu_attn.runtime.set_isa(pinned)
+    try:
+        assert doctor.main([]) == 0
+        capsys.readouterr()
+        assert npu_attn.runtime.kernel_variants()["float32"]["source"] == "set_isa()"
+        assert npu_attn.runtime.active_isa() == pinned
+    finally:
+        npu_attn.runtime.set_isa(None)
+    assert npu_attn.runtime.kernel_variants()["float32"]["source"] != "set_isa()"
+
+
 def test_doctor_fails_an_int8_strategy_that_never_runs_the_int8_kernel(monkeypatch, capsys):
     # An int8 strategy that always ran the exact kernel would pass the lossy accuracy bar;
     # the self-test counts the int8 kernel's calls, so it does not pass.

@@ -595,6 +595,11 @@ def ensure(dtype: str, backward: bool = False) -> None:
         tune_backward(dtype)
 
 
+def pinned() -> Optional[str]:
+    """The variant ``set_isa`` forced for every dtype, None if it did not."""
+    return _pinned
+
+
 def pin(name: Optional[str]) -> None:
     """``set_isa``: force one variant for every dtype (``None``: back to the measured choice)."""
     global _pinned

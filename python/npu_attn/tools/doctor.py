@@ -110,6 +110,7 @@ def collect(tune: bool = False) -> dict[str, Any]:
     report["devices"] = devices
 
     kernels, kernels_bf16 = {}, {}
+    pinned_before = _variant_choice.pinned()
     try:
         for isa in _runtime.available_isas():
             _runtime.set_isa(isa)
@@ -118,7 +119,7 @@ def collect(tune: bool = False) -> dict[str, Any]:
             # OS's permission): worth checking on the machine that will run them.
             kernels_bf16[isa] = self_test(strategies.tiled_attention, torch.bfloat16)
     finally:
-        _runtime.set_isa(None)  # back to the measured choice
+        _runtime.set_isa(pinned_before)  # the caller's set_isa, else the measured choice
     report["kernel_variants"] = kernels
     report["kernel_variants_bf16"] = kernels_bf16
     report["variant_table"] = _C.variants()
