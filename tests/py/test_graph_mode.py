@@ -300,6 +300,24 @@ def test_freeze_needs_inductor():
         npu_attn.compile(tiny_unet(), "tiled", freeze=True, backend="aot_eager")
 
 
+def test_every_frozen_model_is_compiled_whatever_came_before():
+    """dynamo keeps at most ``recompile_limit`` (8) graphs per code object and runs the code
+    eagerly beyond that, with a log line only. Frozen graphs guard on their weights' identity:
+    with one entry function for every frozen model, the ninth frozen model of a process (or the
+    ninth input shape across them) ran eagerly. With a limit of 1 here, the second model must
+    still compile."""
+    from torch._dynamo.utils import counters
+
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(2)]
+    x = torch.randn(2, 8)
+    graphs_before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        for model in models:
+            npu_attn.compile(model, None, freeze=True, show_progress=False)
+            model(x)
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(models)
+
+
 def test_frozen_graphs_of_two_models_stay_apart():
     """Two models of one architecture with different weights, both frozen: each call computes
     with its own weights (a frozen graph's constants are not reused for another model)."""

@@ -79,12 +79,17 @@ def _frozen_entry(module: torch.nn.Module):
     """The module's call as a function of this file's own: dynamo caches graphs per code
     object and, with the parameters as graph inputs, an unfrozen graph of the same module
     (``torch.compile(module)`` shares ``nn.Module._call_impl``'s code) would pass the guards
-    of a frozen call and run unfrozen. Frozen graphs guard on their parameters' identity, so
-    frozen graphs of other modules in this cache are not reused either."""
+    of a frozen call and run unfrozen.
+
+    Each module's entry has a code object of its own (a copy): frozen graphs guard on their
+    parameters' identity, so on one shared code object every frozen module of the process (and
+    every input shape of each) would take one of dynamo's ``recompile_limit`` (8) entries, and
+    from the ninth on modules would silently run eagerly."""
 
     def frozen_call(*args, **kwargs):
         return module._call_impl(*args, **kwargs)
 
+    frozen_call.__code__ = frozen_call.__code__.replace()
     return frozen_call
 
 

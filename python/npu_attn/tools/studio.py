@@ -518,10 +518,8 @@ def configured(pipe, request: Request) -> Iterator[list]:
         restore()
         if compiling:
             reset_compile(pipe)
-            # Each request compiles afresh. The released graphs' code would otherwise pile up
-            # on graph mode's one entry function until dynamo's recompile limit (8), after
-            # which requests would silently run eagerly, and inductor would keep each frozen
-            # graph's weights (~6.7 GB per float32 SD-1.5 request).
+            # Each request compiles afresh: inductor would otherwise keep each released
+            # frozen graph's weights (~6.7 GB per float32 SD-1.5 request).
             release_compiled_graphs()
         reset_acceleration(pipe)
 
