@@ -58,6 +58,15 @@ struct Problem {
   SdpaArguments args;
 };
 
+// The float64 reference of pr's inputs (its arguments, mask included) into pr.ref_out and
+// pr.ref_lse.
+inline void compute_reference(Problem& pr) {
+  SdpaArguments ref_args = pr.args;
+  ref_args.out = pr.ref_out.view(DType::kFloat32);
+  ref_args.lse = pr.ref_lse.view(DType::kFloat32);
+  attention_reference(make_attention_params(ref_args));
+}
+
 inline void build_mask(const Case& c, Problem& pr, uint32_t seed) {
   std::mt19937 rng(seed);
   std::bernoulli_distribution keep(0.7);
@@ -155,10 +164,7 @@ inline Problem reference_for_sampled_queries(const Case& c, const Problem& pr,
     for (size_t i = 0; i < sampled.size(); ++i)
       for (int64_t d = 0; d < c.head_dim; ++d)
         sub.q.at({0, h, int64_t(i), d}) = pr.q.storage[pr.q.offset({0, h, sampled[i], d})];
-  SdpaArguments ref_args = sub.args;
-  ref_args.out = sub.ref_out.view(DType::kFloat32);
-  ref_args.lse = sub.ref_lse.view(DType::kFloat32);
-  attention_reference(make_attention_params(ref_args));
+  compute_reference(sub);
   return sub;
 }
 

@@ -74,10 +74,7 @@ Accuracy int8_accuracy(const Case& c, Isa isa, bool diffusion_like, std::optiona
   if (diffusion_like) make_diffusion_like(c, pr, seed);
   run_attention_int8(make_attention_params(pr.args), isa);
   if (!ref) {
-    SdpaArguments ref_args = pr.args;
-    ref_args.out = pr.ref_out.view(DType::kFloat32);
-    ref_args.lse = pr.ref_lse.view(DType::kFloat32);
-    attention_reference(make_attention_params(ref_args));
+    compute_reference(pr);
     ref = pr.ref_out;
   }
   return compare(pr.out, *ref);
@@ -264,10 +261,7 @@ TEST_P(Int8EveryIsa, ALongTailOfSmallProbabilitiesKeepsItsWeight) {
   for (int64_t i = 0; i < c.len_q; ++i) pr.q.at({0, 0, i, 0}) = 1.0f;
   pr.k.at({0, 0, 7, 0}) = 10.0f * std::sqrt(64.0f);  // score 10 after the 1 / sqrt(D) scale
   run_attention_int8(make_attention_params(pr.args), GetParam());
-  SdpaArguments ref_args = pr.args;
-  ref_args.out = pr.ref_out.view(DType::kFloat32);
-  ref_args.lse = pr.ref_lse.view(DType::kFloat32);
-  attention_reference(make_attention_params(ref_args));
+  compute_reference(pr);
   EXPECT_LE(compare(pr.out, pr.ref_out).relative_l1, 3e-3);
 }
 
@@ -281,10 +275,7 @@ TEST_P(Int8EveryIsa, ValueProductErrorAlone) {
     build(c, pr, 6);
     for (float& x : pr.q.storage) x = 0.0f;
     run_attention_int8(make_attention_params(pr.args), GetParam());
-    SdpaArguments ref_args = pr.args;
-    ref_args.out = pr.ref_out.view(DType::kFloat32);
-    ref_args.lse = pr.ref_lse.view(DType::kFloat32);
-    attention_reference(make_attention_params(ref_args));
+    compute_reference(pr);
     SCOPED_TRACE(c.describe());
     EXPECT_LE(compare(pr.out, pr.ref_out).relative_l1, 2e-3);
   }
@@ -435,10 +426,7 @@ TEST_P(EmulatedInt8Units, AccurateOnDiffusionLikeActivations) {
     build(c, pr, 2);
     make_diffusion_like(c, pr, 2);
     GetParam().run(make_attention_params(pr.args));
-    SdpaArguments ref_args = pr.args;
-    ref_args.out = pr.ref_out.view(DType::kFloat32);
-    ref_args.lse = pr.ref_lse.view(DType::kFloat32);
-    attention_reference(make_attention_params(ref_args));
+    compute_reference(pr);
     const Accuracy a = compare(pr.out, pr.ref_out);
     EXPECT_GE(a.cosine, kMinCosine);
     EXPECT_LE(a.relative_l1, kMaxRelativeL1);
