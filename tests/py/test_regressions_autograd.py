@@ -385,6 +385,15 @@ def test_switched_module_processors_pickle_with_their_weights(isolated):
     assert served_after == served and torch.allclose(after, before, rtol=0, atol=1e-6)
 
 
+def test_a_pickle_naming_an_unknown_strategy_fails_to_load_clearly(isolated, monkeypatch):
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    saved = pickle.dumps(unet)
+    monkeypatch.delitem(strategies.RUNNERS, "tiled")  # as an npu_attn without it would be
+    with pytest.raises(ValueError, match="routes attention to strategy 'tiled', which this"):
+        pickle.loads(saved)
+
+
 LOAD_IN_A_FRESH_PROCESS = """
 import json, sys, torch
 saved = torch.load(sys.argv[1], weights_only=False)

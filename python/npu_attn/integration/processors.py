@@ -70,12 +70,19 @@ class _RoutesSdpa(RoutedProcessor):
             state = torch.nn.Module.__getstate__(self)
         else:
             state = self.__dict__
-        state = {k: v for k, v in state.items() if k not in ("route", "_sdpa")}
+        state = {k: v for k, v in state.items() if k != "_sdpa"}
         cls = type(self)
         return (_unpickle_processor, (cls._wraps or cls, cls._wraps is not None), state)
 
     def __setstate__(self, state: dict) -> None:
         state = {k: v for k, v in state.items() if k != "_sdpa"}  # saved by older releases
+        strategy = state.get("strategy")
+        if strategy not in strategies.RUNNERS:  # at load, not at the model's first call
+            known = ", ".join(sorted(strategies.RUNNERS))
+            raise ValueError(
+                f"a pickled npu_attn processor routes attention to strategy {strategy!r}, "
+                f"which this npu_attn does not have (it has {known})"
+            )
         if isinstance(self, torch.nn.Module):
             torch.nn.Module.__setstate__(self, state)
         else:

@@ -7,9 +7,10 @@ processor (and drifting from diffusers with each release), npu_attn wraps a mode
 processors and, *only while one of them runs*, routes that SDPA call to the chosen strategy.
 
 Mechanism: on first use, ``torch.nn.functional.scaled_dot_product_attention`` is replaced by a
-pass-through shim. In eager mode the shim looks up a ``ContextVar``; when a wrapped processor is
-running it holds the strategy's function, otherwise ``None`` and the call goes to torch
-unchanged (so code outside wrapped processors, other threads and other models are unaffected).
+pass-through shim (and again whenever torch's own function is found back in its place). In
+eager mode the shim looks up a ``ContextVar``; when a wrapped processor is running it holds the
+strategy's function, otherwise ``None`` and the call goes to torch unchanged (so code outside
+wrapped processors, other threads and other models are unaffected).
 
 Under ``torch.compile`` dynamo cannot trace ``ContextVar.get/.set`` (it would break the graph and
 the call would silently reach torch's SDPA), so while tracing the wrapped processor publishes
@@ -53,18 +54,20 @@ def install() -> None:
     with _install_lock:
         if _installed and F.scaled_dot_product_attention is not ORIGINAL_SDPA:
             return  # ours, or someone's wrapper, which may call ours
-        original = ORIGINAL_SDPA
-
-        @functools.wraps(original)
-        def scaled_dot_product_attention(*args, **kwargs):
-            # dynamo cannot trace the ContextVar: while tracing, the route is a plain attribute
-            fn = _traced_route if torch.compiler.is_compiling() else _active.get()
-            if fn is None:
-                return original(*args, **kwargs)
-            return fn(*args, **kwargs)  # strategy functions take SDPA's arguments as torch's
-
         _installed = True
-        F.scaled_dot_product_attention = scaled_dot_product_attention
+        # Always the same function: compiled graphs guard on its identity.
+        F.scaled_dot_product_attention = _shim
+
+
+@functools.wraps(ORIGINAL_SDPA)
+def _shim(*args, **kwargs):
+    # torch's SDPA, or the strategy of the wrapped processor running in this context (it
+    # carries torch's name and docstring, for code that inspects the function).
+    # dynamo cannot trace the ContextVar: while tracing, the route is a plain attribute
+    fn = _traced_route if torch.compiler.is_compiling() else _active.get()
+    if fn is None:
+        return ORIGINAL_SDPA(*args, **kwargs)
+    return fn(*args, **kwargs)  # strategy functions take SDPA's arguments as torch's
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ def attention_modules(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
 
 class RoutedProcessor:
     """Base of every npu_attn processor wrapper: ``self.inner`` with its SDPA call routed to
-    ``self.route``. Subclasses set both."""
+    ``self.route``. Subclasses provide both (an attribute, or a property)."""
 
     inner: Any
     route: Callable[..., torch.Tensor]

@@ -80,9 +80,9 @@ def threads_for_run(threads: Optional[int]) -> Iterator[int]:
 
     torch_before, npu_attn_before = torch.get_num_threads(), _explicit_threads
     count = threads or torch_before
-    torch.set_num_threads(count)
-    set_num_threads(count)
-    try:
+    try:  # (a count npu_attn refuses raises after torch took it: restored too)
+        torch.set_num_threads(count)
+        set_num_threads(count)
         yield count
     finally:
         torch.set_num_threads(torch_before)

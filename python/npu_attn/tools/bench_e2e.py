@@ -627,7 +627,7 @@ def run_graph_configs(pipe, configs, embeds: dict, size: int, repeats: int, time
             _set_heap_reuse("", None)
         del twin
         # Its graphs and their frozen weights go with it (~6.7 GB for float32 SD-1.5 otherwise
-        # kept by inductor).
+        # kept by inductor), and its unfrozen graphs count against no recompile limit.
         release_compiled_graphs()
     return setup_seconds
 

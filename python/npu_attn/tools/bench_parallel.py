@@ -342,21 +342,22 @@ def compare(args: argparse.Namespace) -> int:
     busy = busy_warning()
     if busy:
         print(busy)
-    import torch
+    from ..runtime.controls import threads_for_run
 
-    torch.set_num_threads(threads)
-    measure_single = prepare_cfg(args, parallel=False)
     singles, splits = [], []
-    # Interleaved rounds: the machine's state (other load, turbo, memory) drifts alike over both.
-    for round_index in range(args.rounds):
-        singles.append(measure_single())
-        splits.append(launch(args, args.world, per_process))
-        print(
-            f"round {round_index + 1}/{args.rounds}: 1 process "
-            f"{singles[-1]['seconds_per_step']:.3f} s/step, {args.world} processes "
-            f"{splits[-1]['seconds_per_step']:.3f} s/step",
-            flush=True,
-        )
+    with threads_for_run(threads):  # the caller's thread counts come back afterwards
+        measure_single = prepare_cfg(args, parallel=False)
+        # Interleaved rounds: the machine's state (other load, turbo, memory) drifts alike over
+        # both.
+        for round_index in range(args.rounds):
+            singles.append(measure_single())
+            splits.append(launch(args, args.world, per_process))
+            print(
+                f"round {round_index + 1}/{args.rounds}: 1 process "
+                f"{singles[-1]['seconds_per_step']:.3f} s/step, {args.world} processes "
+                f"{splits[-1]['seconds_per_step']:.3f} s/step",
+                flush=True,
+            )
     single, split = median_run(singles), median_run(splits)
     from .bench_report import machine_info
 

@@ -519,7 +519,10 @@ def configured(pipe, request: Request) -> Iterator[list]:
         if compiling:
             reset_compile(pipe)
             # Each request compiles afresh: inductor would otherwise keep each released
-            # frozen graph's weights (~6.7 GB per float32 SD-1.5 request).
+            # frozen graph's weights (~6.7 GB per float32 SD-1.5 request), and graphs compiled
+            # unfrozen would pile up on nn.Module._call_impl, the one code object every module
+            # is compiled through, until dynamo's recompile limit (8), after which requests
+            # would silently run eagerly.
             release_compiled_graphs()
         reset_acceleration(pipe)
 
