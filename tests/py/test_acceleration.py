@@ -37,7 +37,7 @@ def _isolated(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for name in ("NPU_ATTN_TOME", "NPU_ATTN_DEEPCACHE", "NPU_ATTN_BLOCK_CACHE"):
         monkeypatch.delenv(name, raising=False)
-    strategies.auto_selector._memory.clear()
+    strategies.auto_selector.forget()
     npu_attn.reset_attention_strategy(None)
     yield
     npu_attn.reset_attention_strategy(None)

@@ -24,7 +24,7 @@ from tiny_models import call_in_dtype, run_flux, tiny_flux
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
-    strategies.auto_selector._memory.clear()
+    strategies.auto_selector.forget()
     strategies.reset_call_counts()
     torch._dynamo.reset()
     # model.set_attention_backend also sets diffusers' process-wide active backend: restored

@@ -31,7 +31,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.delenv("DIFFUSERS_ATTENTION_TYPE", raising=False)
     monkeypatch.delenv("NPU_ATTN_TOME", raising=False)
     monkeypatch.delenv("NPU_ATTN_DEEPCACHE", raising=False)
-    strategies.auto_selector._memory.clear()
+    strategies.auto_selector.forget()
     npu_attn.reset_attention_strategy(None)
     strategies.reset_call_counts()
     yield
@@ -196,6 +196,31 @@ def test_auto_measures_once_and_reuses_the_cached_choice(caplog):
     assert AutoSelector.cache_path().exists()
     for key, choice in choices.items():
         assert fresh.cached_choice(key)["choice"] == choice
+
+
+def test_auto_measures_again_at_another_thread_count():
+    """A choice measured at one thread count says nothing about another: the selector keeps
+    choices per thread count (and kernel variant), in memory as in the cache file."""
+    from npu_attn.runtime import controls
+
+    selector = strategies.auto_selector
+    q = torch.randn(1, 2, 96, 16)
+    with controls.threads_for_run(1):
+        selector(q, q, q)
+        at_one = selector.measurements
+        assert len(selector.choices()) == 1
+    with controls.threads_for_run(2):
+        assert selector.choices() == {}  # nothing measured at this count yet
+        selector(q, q, q)
+        assert selector.measurements == at_one + 1
+    with controls.threads_for_run(1):
+        selector(q, q, q)
+        assert selector.measurements == at_one + 1  # kept for 1 thread
+    selector.forget()
+    assert selector.choices() == {}
+    with controls.threads_for_run(1):
+        selector(q, q, q)  # read back from the file, not measured
+        assert selector.measurements == at_one + 1 and len(selector.choices()) == 1
 
 
 def test_unknown_and_unavailable_strategies_explain_themselves():

@@ -24,7 +24,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "cache"))
-    strategies.auto_selector._memory.clear()
+    strategies.auto_selector.forget()
     torch._dynamo.reset()
     strategies.reset_call_counts()
     yield

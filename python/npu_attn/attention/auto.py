@@ -48,7 +48,7 @@ class AutoSelector:
         strategies layer passes its table, so measured and chosen calls are counted there)."""
         self._runner = runner
         self._lock = threading.Lock()
-        self._memory: dict[str, dict] = {}
+        self._memory: dict[tuple, dict] = {}  # by (*_context(), shape key)
         self.measurements = 0  # how many shapes were measured (not served from cache)
         _SELECTORS[id(self)] = self  # traced calls name the selector by this constant
 
@@ -59,6 +59,8 @@ class AutoSelector:
 
     @staticmethod
     def fingerprint() -> str:
+        """The cache file's key for this machine and software, thread count and kernel
+        variant (a choice measured at 2 threads says nothing about 16)."""
         from .._version import __version__
 
         parts = [
@@ -72,13 +74,33 @@ class AutoSelector:
         ]
         return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
+    @staticmethod
+    def _context() -> tuple[int, str]:
+        """What an in-memory choice holds for besides its shape: the parts of the fingerprint
+        that can change within a process (threads, kernel variant), cheaper to read per call."""
+        return _runtime.get_num_threads(), _runtime.active_isa()
+
     def cached_choice(self, key: str) -> Optional[dict]:
-        if key in self._memory:
-            return self._memory[key]
-        entry = _CACHE.get(self.fingerprint(), key)
-        if entry is not None:
-            self._memory[key] = entry
+        memory_key = (*self._context(), key)
+        entry = self._memory.get(memory_key)
+        if entry is None:
+            entry = _CACHE.get(self.fingerprint(), key)
+            if entry is not None:
+                self._memory[memory_key] = entry
         return entry
+
+    def _remember(self, key: str, result: dict) -> None:
+        """Keeps a new measurement in memory and in the cache file."""
+        self._memory[(*self._context(), key)] = result
+        self.measurements += 1
+        _CACHE.store(self.fingerprint(), key, result)
+
+    def forget(self) -> None:
+        """Drops the choices this process holds in memory, so the next call of each shape reads
+        the cache file or measures again (delete :meth:`cache_path` to measure again
+        everywhere)."""
+        with self._lock:
+            self._memory.clear()
 
     # -- measurement ----------------------------------------------------------
     @staticmethod
@@ -171,9 +193,7 @@ class AutoSelector:
                 return self._runner(entry["choice"])(*args)
             result = self._measure(args, training)
             output = result.pop("_output")
-            self._memory[key_str] = result
-            self.measurements += 1
-            _CACHE.store(self.fingerprint(), key_str, result)
+            self._remember(key_str, result)
         timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
         logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
         return output
@@ -202,16 +222,16 @@ class AutoSelector:
                 return entry["choice"]
             result = self._measure(_random_args(spec, training), training)
             result.pop("_output")
-            self._memory[key_str] = result
-            self.measurements += 1
-            _CACHE.store(self.fingerprint(), key_str, result)
+            self._remember(key_str, result)
         timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
         logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
         return result["choice"]
 
     def choices(self) -> dict[str, str]:
-        """Shape -> chosen strategy, for every shape measured or loaded in this process."""
-        return {k: v["choice"] for k, v in self._memory.items()}
+        """Shape -> chosen strategy, for every shape measured or loaded in this process at the
+        current thread count and kernel variant."""
+        context = self._context()
+        return {m[-1]: v["choice"] for m, v in self._memory.items() if m[:-1] == context}
 
 
 _SELECTORS: dict[int, AutoSelector] = {}  # by id, so a traced call can name one by a constant
