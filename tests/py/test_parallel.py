@@ -382,3 +382,16 @@ def test_bench_reports_and_command_line(capsys):
             main(["bench", "--parallel", option, "0"])
         assert exit_info.value.code == 2
         assert f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_demo_leaves_a_process_group_it_did_not_create(one_rank_group, tmp_path, capsys):
+    """A script that made its own group and calls the demo in-process keeps its group: the
+    demo closes only a group it joined itself."""
+    from npu_attn.tools.demo import main as demo_main
+
+    code = demo_main(
+        ["--parallel", "cfg", "--model", "tiny", "--steps", "2", "--out", str(tmp_path)]
+    )
+    assert code == 0, capsys.readouterr()
+    assert "every rank returned the same latents" in capsys.readouterr().out
+    assert dist.is_initialized()

@@ -540,6 +540,7 @@ def run_parallel(args) -> int:
     )
     from ..runtime import controls as _runtime
 
+    joined = not dist.is_initialized()  # a group the caller made is the caller's to close
     try:
         rank, world = init_distributed()
     except RuntimeError as e:  # not started by torchrun: say how
@@ -584,7 +585,8 @@ def run_parallel(args) -> int:
             say(f"wrote {args.out / 'image.png'}")
         return 0
     finally:
-        shutdown_distributed()
+        if joined:
+            shutdown_distributed()
 
 
 @on_requested_threads
