@@ -300,3 +300,26 @@ def test_sd3_is_stable_diffusion_3_medium_architecture():
     kwargs = prompt_embeddings(pipe, torch.bfloat16, "cpu")
     assert kwargs["prompt_embeds"].shape == (1, 333, 4096)
     assert kwargs["negative_pooled_prompt_embeds"].shape == (1, 2048)
+
+
+def test_random_weights_are_the_same_every_build_and_leave_the_callers_rng_alone():
+    """Every process builds the same random-weight models (seed 0), and building one does not
+    reseed the caller's global RNG."""
+    import torch
+
+    from npu_attn.tools.bench_e2e import build_unet
+    from npu_attn.tools.pipelines import build_denoiser
+
+    def state_after(build):
+        torch.manual_seed(123)
+        built = build()
+        return built, torch.rand(4)
+
+    untouched = state_after(lambda: None)[1]
+    first, after_pipeline = state_after(lambda: build_pipeline("tiny"))
+    second, _ = state_after(lambda: build_pipeline("tiny"))
+    assert torch.equal(after_pipeline, untouched)
+    for a, b in zip(first.unet.parameters(), second.unet.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(state_after(lambda: build_denoiser("tiny"))[1], untouched)
+    assert torch.equal(state_after(lambda: build_unet("tiny"))[1], untouched)

@@ -79,13 +79,12 @@ class ConfigurationError(ValueError):
 
 def build_unet(model: str = "sd15"):
     """The full-size UNet of ``model`` (demo.UNET_ARCHITECTURES) with random weights, in float32."""
-    import torch
     from diffusers import UNet2DConditionModel
 
-    from .pipelines import UNET_ARCHITECTURES
+    from .pipelines import UNET_ARCHITECTURES, seeded_weights
 
-    torch.manual_seed(0)
-    return UNet2DConditionModel(**UNET_ARCHITECTURES[model][0]).eval()
+    with seeded_weights(0):
+        return UNet2DConditionModel(**UNET_ARCHITECTURES[model][0]).eval()
 
 
 def make_inputs(unet, size: int, dtype, vae_scale: int = 8) -> dict:

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -312,13 +313,23 @@ DENOISER_CLASSES = {
 }
 
 
+@contextlib.contextmanager
+def seeded_weights(seed: int = 0) -> Iterator[None]:
+    """Random weights drawn from ``seed`` inside the block, without moving the caller's global
+    RNG: torch's CPU generator is forked for the block (models initialise from it)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def build_denoiser(model: str):
     """The architecture's UNet or transformer, random weights (seed 0)."""
     import diffusers
-    import torch
 
-    torch.manual_seed(0)
-    return getattr(diffusers, DENOISER_CLASSES[FAMILIES[model]])(**ARCHITECTURES[model][0])
+    with seeded_weights(0):
+        return getattr(diffusers, DENOISER_CLASSES[FAMILIES[model]])(**ARCHITECTURES[model][0])
 
 
 def family_vae(model: str):
@@ -421,7 +432,8 @@ def build_pipeline(model: str = "sd15"):
     as embeddings (prompt_embeddings)."""
     if model not in ARCHITECTURES:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(ARCHITECTURES)}")
-    pipe = build_architecture(model)
+    with seeded_weights(0):  # the same weights in every process, the caller's RNG untouched
+        pipe = build_architecture(model)
     for component in pipe.components.values():
         if hasattr(component, "eval"):
             component.eval()
