@@ -7,6 +7,17 @@ import torch
 import torch.nn.functional as F
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache_dir(tmp_path_factory):
+    """Measured choices (kernel variants, ``auto``) go to a directory of this test process,
+    not the user's ``~/.cache/npu_attn``: tests neither reuse what another build measured nor
+    leave entries behind, and pytest-xdist workers do not write one file at once. Tests that
+    need their own directory still set ``NPU_ATTN_CACHE_DIR`` with monkeypatch."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path_factory.mktemp("npu_attn_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

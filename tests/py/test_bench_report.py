@@ -230,7 +230,7 @@ def test_the_bshd_layout_times_diffusers_strided_views(monkeypatch, tmp_path, ba
     args += ["--layout", "bshd", "--json", str(out), "--plots", str(tmp_path)]
     args += ["--backward"] if backward else []
     assert bench.main(args) == 0
-    torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads  # bench restores the caller's count
     assert seen and set(seen) == {(16 * 3 * 8, 8, 3 * 8, 1)}
     row = json.loads(out.read_text())["cases"][0]
     assert row["dims"].endswith(" bshd") and row["max_abs_diff_tiled_vs_sdpa"] < 1e-5
