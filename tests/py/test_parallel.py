@@ -395,3 +395,6 @@ def test_the_demo_leaves_a_process_group_it_did_not_create(one_rank_group, tmp_p
     assert code == 0, capsys.readouterr()
     assert "every rank returned the same latents" in capsys.readouterr().out
     assert dist.is_initialized()
+    with parallel.distributed_group() as (rank, world):  # the mechanism both tools use
+        assert (rank, world) == (0, 1)
+    assert dist.is_initialized()

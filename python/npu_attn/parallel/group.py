@@ -14,10 +14,11 @@ raise, with a message naming the ranks and values that disagree.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -31,6 +32,7 @@ __all__ = [
     "comm_stats",
     "count_bytes",
     "default_backend",
+    "distributed_group",
     "exchange",
     "fingerprint",
     "group_rank",
@@ -133,6 +135,24 @@ def init_distributed(
         backend or default_backend(device_type), init_method="env://", timeout=_timeout(timeout)
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def distributed_group(
+    backend: Optional[str] = None,
+    device_type: str = "cpu",
+    timeout: Union[timedelta, float, None] = None,
+) -> Iterator[tuple[int, int]]:
+    """:func:`init_distributed` for the block, yielding ``(rank, world_size)``; on the way out
+    it leaves the group only if the block joined it: a group the caller made stays the
+    caller's (a script that calls a tool in-process keeps its group)."""
+    joined = not (dist.is_available() and dist.is_initialized())
+    ranks = init_distributed(backend=backend, device_type=device_type, timeout=timeout)
+    try:
+        yield ranks
+    finally:
+        if joined:
+            shutdown_distributed()
 
 
 def shutdown_distributed() -> None:

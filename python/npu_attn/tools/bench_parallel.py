@@ -118,19 +118,13 @@ def worker(args: argparse.Namespace) -> int:
     """One rank of the CFG-parallel measurement (started by :func:`launch` or by torchrun);
     rank 0 prints the result line."""
     import torch
-    import torch.distributed as dist
 
-    from ..parallel import init_distributed, shutdown_distributed
+    from ..parallel import distributed_group
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    joined = not dist.is_initialized()  # a group the caller made is the caller's to close
-    rank, _ = init_distributed()
-    try:
+    with distributed_group() as (rank, _):
         result = prepare_cfg(args, parallel=True)()
-    finally:
-        if joined:
-            shutdown_distributed()
     if rank == 0 and args.worker:  # for launch(), which parses it
         print(RESULT_MARKER + json.dumps(result), flush=True)
     elif rank == 0:  # under torchrun: for the user

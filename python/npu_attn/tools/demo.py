@@ -38,6 +38,7 @@ lines and errors are shown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -532,22 +533,16 @@ def run_parallel(args) -> int:
     import torch.distributed as dist
 
     from ..device import DeviceManager
-    from ..parallel import (
-        disable_cfg_parallel,
-        enable_cfg_parallel,
-        init_distributed,
-        shutdown_distributed,
-    )
+    from ..parallel import disable_cfg_parallel, distributed_group, enable_cfg_parallel
     from ..runtime import controls as _runtime
 
-    joined = not dist.is_initialized()  # a group the caller made is the caller's to close
-    try:
-        rank, world = init_distributed()
-    except RuntimeError as e:  # not started by torchrun: say how
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    say = print if rank == 0 else (lambda *_: None)
-    try:
+    with contextlib.ExitStack() as group:
+        try:
+            rank, world = group.enter_context(distributed_group())
+        except RuntimeError as e:  # not started by torchrun: say how
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        say = print if rank == 0 else (lambda *_: None)
         dm = DeviceManager()
         pipe, source = prepare_pipeline(args, dm.dtype)
         pipe = pipe.to(dm.device, dm.dtype)
@@ -584,9 +579,6 @@ def run_parallel(args) -> int:
             save_image(pipe, decode(pipe, split.latents), args.out / "image.png")
             say(f"wrote {args.out / 'image.png'}")
         return 0
-    finally:
-        if joined:
-            shutdown_distributed()
 
 
 @on_requested_threads
