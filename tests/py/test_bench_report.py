@@ -44,6 +44,42 @@ def test_the_peak_is_the_best_of_several_probes(monkeypatch):
     assert calls == [("avx2", "float32", 2)] * 3
 
 
+def test_dtypes_on_one_compute_path_share_its_best_peak(monkeypatch):
+    # On an AVX2 CPU float32, bfloat16 and float16 all run the fp32 FMA path: one slow stretch
+    # of a VM while bfloat16's probes ran must not halve bfloat16's peak (rows over 100%).
+    from npu_attn import _C
+    from npu_attn.runtime import controls
+
+    monkeypatch.setattr(controls, "active_isa", lambda dtype: "avx2")
+    readings = {"float32": 180.0, "bfloat16": 94.0, "float16": 94.0}
+    monkeypatch.setattr(_C, "peak_gflops", lambda isa, dtype, threads, seconds: readings[dtype])
+    peaks = bench_report.compute_peaks(threads=2)
+    assert {dtype: peak["gflops"] for dtype, peak in peaks.items()} == {
+        "float32": 180.0,
+        "bfloat16": 180.0,
+        "float16": 180.0,
+    }
+    assert {peak["compute"] for peak in peaks.values()} == {"avx2 fp32 FMA"}
+
+
+def test_dtypes_on_different_compute_paths_keep_their_own_peaks(monkeypatch):
+    # avx512_bf16 runs float32 on fp32 FMA and bfloat16 on vdpbf16ps: different units.
+    from npu_attn import _C
+    from npu_attn.runtime import controls
+
+    variants = {v["name"]: v for v in _C.variants()}
+    kernels = variants["avx512_bf16"]["forward_kernel"]
+    assert kernels["float32"] != kernels["bfloat16"]
+    monkeypatch.setattr(controls, "active_isa", lambda dtype: "avx512_bf16")
+    readings = {"float32": 400.0, "bfloat16": 1500.0, "float16": 390.0}
+    monkeypatch.setattr(_C, "peak_gflops", lambda isa, dtype, threads, seconds: readings[dtype])
+    peaks = bench_report.compute_peaks(threads=2)
+    assert peaks["bfloat16"]["gflops"] == 1500.0
+    for dtype in ("float32", "float16"):
+        if kernels[dtype] == kernels["float32"]:
+            assert peaks[dtype]["gflops"] == 400.0
+
+
 AMX_CPU = ["sse4.2", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
 
 
