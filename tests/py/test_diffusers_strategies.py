@@ -223,6 +223,38 @@ def test_auto_measures_again_at_another_thread_count():
         assert selector.measurements == at_one + 1 and len(selector.choices()) == 1
 
 
+def test_auto_measures_again_when_the_variant_of_the_inputs_dtype_changes(monkeypatch):
+    """set_isa can change the variant that runs bfloat16 and leave float32's (a CPU that
+    measured avx512 for float32 and amx_bf16 for bfloat16, then set_isa("avx512")): bfloat16
+    choices measured under the old variant are not served under the new one, float32's are."""
+    from npu_attn.runtime import controls
+
+    selector = strategies.auto_selector
+    selector.forget()
+    real_active_isa = controls.active_isa
+    bfloat16_variant = ["measured-variant"]
+
+    def active_isa(dtype="float32"):
+        return bfloat16_variant[0] if dtype == "bfloat16" else real_active_isa(dtype)
+
+    monkeypatch.setattr(controls, "active_isa", active_isa)
+    q32 = torch.randn(1, 2, 80, 16)
+    q16 = q32.bfloat16()
+    selector(q32, q32, q32)
+    selector(q16, q16, q16)
+    measured = selector.measurements
+    assert len(selector.choices()) == 2
+    bfloat16_variant[0] = "pinned-variant"
+    assert len(selector.choices()) == 1  # float32's choice still holds
+    selector(q32, q32, q32)
+    assert selector.measurements == measured
+    selector(q16, q16, q16)
+    assert selector.measurements == measured + 1
+    selector.forget()
+    selector(q16, q16, q16)  # read back from the file, under the new variant's fingerprint
+    assert selector.measurements == measured + 1
+
+
 def test_unknown_and_unavailable_strategies_explain_themselves():
     unet = tiny_unet()
     with pytest.raises(ValueError, match="valid strategies: vanilla, sdpa, tiled, npu, auto"):

@@ -48,7 +48,7 @@ class AutoSelector:
         strategies layer passes its table, so measured and chosen calls are counted there)."""
         self._runner = runner
         self._lock = threading.Lock()
-        self._memory: dict[tuple, dict] = {}  # by (*_context(), shape key)
+        self._memory: dict[tuple, dict] = {}  # by (*_context(dtype), dtype, shape key)
         self.measurements = 0  # how many shapes were measured (not served from cache)
         _SELECTORS[id(self)] = self  # traced calls name the selector by this constant
 
@@ -58,9 +58,9 @@ class AutoSelector:
         return _CACHE.path
 
     @staticmethod
-    def fingerprint() -> str:
-        """The cache file's key for this machine and software, thread count and kernel
-        variant (a choice measured at 2 threads says nothing about 16)."""
+    def fingerprint(dtype: str = "float32") -> str:
+        """The cache file's key for this machine and software, thread count and the kernel
+        variant that runs ``dtype`` (a choice measured at 2 threads says nothing about 16)."""
         from .._version import __version__
 
         parts = [
@@ -70,30 +70,33 @@ class AutoSelector:
             torch.__version__,
             __version__,
             build_digest(),
-            _runtime.active_isa(),
+            _variant_running(dtype),
         ]
         return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
     @staticmethod
-    def _context() -> tuple[int, str]:
+    def _context(dtype: str) -> tuple[int, str]:
         """What an in-memory choice holds for besides its shape: the parts of the fingerprint
-        that can change within a process (threads, kernel variant), cheaper to read per call."""
-        return _runtime.get_num_threads(), _runtime.active_isa()
+        that can change within a process (threads, the variant running ``dtype``: ``set_isa``
+        can change bfloat16's and leave float32's), cheaper to read per call."""
+        return _runtime.get_num_threads(), _variant_running(dtype)
 
-    def cached_choice(self, key: str) -> Optional[dict]:
-        memory_key = (*self._context(), key)
+    def cached_choice(self, key: str, dtype: str = "float32") -> Optional[dict]:
+        """The choice for shape ``key`` of ``dtype`` inputs in this context, from memory or the
+        cache file; None if neither has one."""
+        memory_key = (*self._context(dtype), dtype, key)
         entry = self._memory.get(memory_key)
         if entry is None:
-            entry = _CACHE.get(self.fingerprint(), key)
+            entry = _CACHE.get(self.fingerprint(dtype), key)
             if entry is not None:
                 self._memory[memory_key] = entry
         return entry
 
-    def _remember(self, key: str, result: dict) -> None:
+    def _remember(self, key: str, dtype: str, result: dict) -> None:
         """Keeps a new measurement in memory and in the cache file."""
-        self._memory[(*self._context(), key)] = result
+        self._memory[(*self._context(dtype), dtype, key)] = result
         self.measurements += 1
-        _CACHE.store(self.fingerprint(), key, result)
+        _CACHE.store(self.fingerprint(dtype), key, result)
 
     def forget(self) -> None:
         """Drops the choices this process holds in memory, so the next call of each shape reads
@@ -184,16 +187,17 @@ class AutoSelector:
         key_str = self.shape_key(query, key, value, attn_mask, is_causal, enable_gqa)
         if training:  # chosen by forward + backward time, cached separately
             key_str += " fwd+bwd"
-        entry = self.cached_choice(key_str)
+        dtype = _dtype_name(query.dtype)
+        entry = self.cached_choice(key_str, dtype)
         if entry is not None:
             return self._runner(entry["choice"])(*args)
         with self._lock:  # one measurement at a time: concurrent timing would be meaningless
-            entry = self.cached_choice(key_str)
+            entry = self.cached_choice(key_str, dtype)
             if entry is not None:
                 return self._runner(entry["choice"])(*args)
             result = self._measure(args, training)
             output = result.pop("_output")
-            self._remember(key_str, result)
+            self._remember(key_str, dtype, result)
         timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
         logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
         return output
@@ -213,25 +217,39 @@ class AutoSelector:
     def choose_for_spec(self, spec: tuple, training: bool) -> str:
         """The cached choice for ``spec``, else measured now on random tensors of its shapes."""
         key_str = self.key_of(spec) + (" fwd+bwd" if training else "")
-        entry = self.cached_choice(key_str)
+        dtype = spec[3].replace("torch.", "")
+        entry = self.cached_choice(key_str, dtype)
         if entry is not None:
             return entry["choice"]
         with self._lock:
-            entry = self.cached_choice(key_str)
+            entry = self.cached_choice(key_str, dtype)
             if entry is not None:
                 return entry["choice"]
             result = self._measure(_random_args(spec, training), training)
             result.pop("_output")
-            self._remember(key_str, result)
+            self._remember(key_str, dtype, result)
         timings = ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(result["ms"].items()))
         logger.info("npu_attn auto: %s -> %s (%s)", key_str, result["choice"], timings)
         return result["choice"]
 
     def choices(self) -> dict[str, str]:
         """Shape -> chosen strategy, for every shape measured or loaded in this process at the
-        current thread count and kernel variant."""
-        context = self._context()
-        return {m[-1]: v["choice"] for m, v in self._memory.items() if m[:-1] == context}
+        current thread count and kernel variants."""
+        return {
+            key: entry["choice"]
+            for (*context, dtype, key), entry in self._memory.items()
+            if tuple(context) == self._context(dtype)
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _variant_running(dtype: str) -> str:
+    """The kernel variant running ``dtype`` self-attention; float32's for dtypes the kernels do
+    not take (``tiled`` converts or refuses those)."""
+    return _runtime.active_isa(dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
 
 
 _SELECTORS: dict[int, AutoSelector] = {}  # by id, so a traced call can name one by a constant
