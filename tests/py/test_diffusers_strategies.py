@@ -368,3 +368,27 @@ def test_redirect_comes_back_when_torchs_function_is_put_back(monkeypatch):
         run_unet(unet)
     assert strategies.call_counts().get("tiled", 0) > 0
     assert torch.nn.functional.scaled_dot_product_attention is not ORIGINAL_SDPA
+
+
+def test_compiled_model_reaches_its_strategy_when_torchs_function_is_put_back(monkeypatch):
+    """The same, when torch.compile is what runs first after the restore: dynamo traces the
+    wrapped processors, and the SDPA call it records must be the strategy's op, not torch's."""
+    from npu_attn.attention.backends.torch_sdpa import ORIGINAL_SDPA
+
+    unet = tiny_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ORIGINAL_SDPA)
+    recorded = []
+
+    def recording_backend(graph_module, example_inputs):
+        recorded.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            run_unet(torch.compile(unet, backend=recording_backend))
+    finally:
+        torch._dynamo.reset()
+    assert any("npu_attn.sdpa_forward" in target for target in recorded)
+    assert not any("scaled_dot_product_attention" in target for target in recorded)

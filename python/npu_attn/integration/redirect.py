@@ -17,7 +17,8 @@ the call would silently reach torch's SDPA), so while tracing the wrapped proces
 its strategy in a plain module attribute (:data:`_traced_route`) around the inner call instead;
 dynamo traces that store and load, so the chosen strategy's own code (for ``tiled`` the
 registered op ``torch.ops.npu_attn.sdpa_forward``) lands in the graph. Tracing is
-single-threaded, and the attribute is ``None`` again when the processor returns.
+single-threaded, and the attribute is ``None`` again when the processor returns. If torch's own
+function is back in ``F`` when tracing starts, the traced processor puts the shim back first.
 
 Limitation: code that imported the function itself (``from torch.nn.functional import
 scaled_dot_product_attention``) before npu_attn patched it is not redirected.
@@ -85,6 +86,10 @@ def call_routed(fn: SdpaFunction, inner: Callable, *args, **kwargs):
     in eager mode, through :data:`_traced_route` while torch.compile traces."""
     global _traced_route
     if torch.compiler.is_compiling():
+        if F.scaled_dot_product_attention is ORIGINAL_SDPA:  # the shim was removed (see install)
+            # install() takes a lock, which dynamo cannot trace; a plain attribute store it
+            # traces, and replays when the compiled code runs (the graph then guards on it)
+            F.scaled_dot_product_attention = _shim
         previous = _traced_route
         _traced_route = fn
         try:
