@@ -24,6 +24,7 @@ import torch
 from ..runtime import controls as _runtime
 from ..runtime.cache import MeasurementCache, build_digest
 from ..runtime.timing import interleaved_medians
+from ..runtime.variant_choice import DTYPES as KERNEL_DTYPES
 from .backends import npu as npu_backend
 from .backends.base import needs_grad
 
@@ -217,7 +218,7 @@ class AutoSelector:
     def choose_for_spec(self, spec: tuple, training: bool) -> str:
         """The cached choice for ``spec``, else measured now on random tensors of its shapes."""
         key_str = self.key_of(spec) + (" fwd+bwd" if training else "")
-        dtype = spec[3].replace("torch.", "")
+        dtype = _dtype_name(spec[3])
         entry = self.cached_choice(key_str, dtype)
         if entry is not None:
             return entry["choice"]
@@ -242,14 +243,15 @@ class AutoSelector:
         }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype) -> str:
+    """The dtype's name without "torch.", from a torch.dtype or from a spec's string."""
     return str(dtype).replace("torch.", "")
 
 
 def _variant_running(dtype: str) -> str:
     """The kernel variant running ``dtype`` self-attention; float32's for dtypes the kernels do
     not take (``tiled`` converts or refuses those)."""
-    return _runtime.active_isa(dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+    return _runtime.active_isa(dtype if dtype in KERNEL_DTYPES else "float32")
 
 
 _SELECTORS: dict[int, AutoSelector] = {}  # by id, so a traced call can name one by a constant
