@@ -158,8 +158,14 @@ def test_int8_rows_the_exact_kernel_serves_are_marked(monkeypatch):
         "int8_min_scores",
         lambda dtype: None if min_tokens[dtype] is None else min_tokens[dtype] ** 2,
     )
+    # ...and, as on Zen 4 in bfloat16, float16's from head dim 64.
+    monkeypatch.setattr(
+        variant_choice, "int8_min_head_dim", lambda dtype: 64 if dtype == "float16" else 0
+    )
     short, long = Case("8x8", 2, 8, 64, 64, 160), Case("16x16", 2, 8, 256, 256, 160)
     assert int8_runs_exact_kernel(short) and not int8_runs_exact_kernel(long)
+    assert not int8_runs_exact_kernel(Case("64x64", 2, 8, 4096, 4096, 40))
+    assert int8_runs_exact_kernel(Case("64x64", 2, 8, 4096, 4096, 40, dtype="float16"))
     assert int8_runs_exact_kernel(Case("16x16", 2, 8, 256, 256, 160, dtype="bfloat16"))
     assert int8_runs_exact_kernel(Case("16x16", 2, 8, 256, 256, 160, dtype="float16"))
     assert not int8_runs_exact_kernel(Case("32x32", 2, 8, 1024, 1024, 80, dtype="float16"))

@@ -57,6 +57,7 @@ def _isolated(tmp_path, monkeypatch):
     # These tests are about the int8 kernel: it runs in every dtype here, also where this CPU's
     # exact kernel measured faster and the strategy would run that one (tested on its own below).
     monkeypatch.setattr(variant_choice, "int8_min_scores", lambda dtype: 0)
+    monkeypatch.setattr(variant_choice, "int8_min_head_dim", lambda dtype: 0)
     npu_attn.reset_attention_strategy(None)
     strategies.reset_call_counts()
     yield
@@ -163,6 +164,7 @@ def test_a_dtype_whose_exact_kernel_measured_faster_runs_the_exact_kernel(
     assert variant_choice.tune_int8_pays("bfloat16") == {
         "pays": True,
         "min_tokens": variant_choice.INT8_SHORT_LENGTHS[0],
+        "min_head_dim": 0,
         "source": "rule (NPU_ATTN_TUNE=0)",
     }
 
@@ -209,9 +211,60 @@ def test_calls_shorter_than_the_measured_break_even_run_the_exact_kernel(
 def test_the_break_even_is_the_shortest_length_int8_won_from(short, expected):
     short_ms = {n: {"int8": i, "exact": e} for n, (i, e) in short.items()}
     decision = variant_choice.decide_int8({"int8": 1.0, "exact": 2.0}, short_ms)
-    assert decision == {"pays": True, "min_tokens": expected}
+    assert decision == {"pays": True, "min_tokens": expected, "min_head_dim": 0}
     lost_long = variant_choice.decide_int8({"int8": 2.0, "exact": 1.0}, short_ms)
-    assert lost_long == {"pays": False, "min_tokens": None}
+    assert lost_long == {"pays": False, "min_tokens": None, "min_head_dim": None}
+
+
+def test_a_head_dim_int8_lost_on_runs_the_exact_kernel_below_the_compared_one(
+    tmp_path, monkeypatch, forgets_decisions
+):
+    """Where int8 measured slower than the exact kernel at head dim 40 and faster from 64 (as in
+    bfloat16 on Zen 4: SD-1.5 64x64 0.93x, SDXL 64x64 1.04x, Flux 1.11x), head dim 40 runs the
+    exact kernel and 64 the int8 kernel, at every length."""
+    won, lost = {"int8": 1.0, "exact": 1.1}, {"int8": 1.1, "exact": 1.0}
+    short = {256: won, 512: won, 1024: won}
+    decide = variant_choice.decide_int8
+    assert decide(won, short, {40: lost, 128: won}) == {
+        "pays": True,
+        "min_tokens": 256,
+        "min_head_dim": 64,
+    }
+    assert decide(won, short, {40: won, 128: won})["min_head_dim"] == 0  # no limit
+    # Lost at 64 (the lengths were measured there) but won at 128: from 128, at the long length.
+    assert decide(lost, short, {40: lost, 128: won}) == {
+        "pays": True,
+        "min_tokens": variant_choice.INT8_COMPARISON_SHAPE[2],
+        "min_head_dim": 128,
+    }
+    # Won at 40 and 64 but lost at the largest: taken for noise, the exact kernel throughout.
+    assert decide(won, short, {40: won, 128: lost})["pays"] is False
+    monkeypatch.undo()
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path / "head-dim"))
+    for name in ("NPU_ATTN_ISA", "NPU_ATTN_TUNE", "NPU_ATTN_STRATEGY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def measured(dtype, shape=variant_choice.INT8_COMPARISON_SHAPE):
+        small_head = shape[-1] < variant_choice.INT8_COMPARISON_SHAPE[-1]
+        return {"int8": 1.0, "exact": 0.9 if small_head else 1.2}  # int8 lost at head dim 40
+
+    monkeypatch.setattr(variant_choice, "measure_int8_against_exact", measured)
+    variant_choice.forget()
+    decision = variant_choice.tune_int8_pays("float32")
+    assert decision["min_tokens"] == variant_choice.INT8_SHORT_LENGTHS[0]
+    assert decision["min_head_dim"] == 64 and decision["head_dim_ms"]["40"]["exact"] == 0.9
+    assert variant_choice.int8_scope(decision) == "int8 kernel from 256 tokens and head dim 64"
+    strategies.reset_call_counts()
+    q, k, v = diffusion_like(1024, 1024, 40)  # SD-1.5 32x32's length at SD-1.5 64x64's head dim
+    assert torch.equal(sdpa(q, k, v, backend="int8"), sdpa(q, k, v, backend="tiled"))
+    assert npu_attn.call_counts() == {"int8->tiled": 1, "tiled": 1}
+    q, k, v = diffusion_like(1024, 1024, 64)
+    sdpa(q, k, v, backend="int8")
+    assert npu_attn.call_counts()["int8"] == 1
+    # Cached with its head dim: not measured again.
+    variant_choice.forget()
+    monkeypatch.setattr(variant_choice, "measure_int8_against_exact", None)
+    assert variant_choice.tune_int8_pays("float32")["source"].endswith("cached")
 
 
 def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch, forgets_decisions):
@@ -223,8 +276,10 @@ def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch, f
     assert decision["pays"] == (ms["int8"] < ms["exact"])
     short = {int(n): t for n, t in decision["short_ms"].items()}
     assert sorted(short) == list(variant_choice.INT8_SHORT_LENGTHS)
-    expected = variant_choice.decide_int8(ms, short)
-    assert (decision["pays"], decision["min_tokens"]) == (expected["pays"], expected["min_tokens"])
+    head_dims = {int(d): t for d, t in decision["head_dim_ms"].items()}
+    assert sorted(head_dims) == list(variant_choice.INT8_OTHER_HEAD_DIMS)
+    expected = variant_choice.decide_int8(ms, short, head_dims)
+    assert {key: decision[key] for key in expected} == expected
     assert decision["kernels"]["int8"] in npu_attn.runtime.available_isas()
 
 

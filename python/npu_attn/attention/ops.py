@@ -177,19 +177,26 @@ INT8_MIN_SCORES = 256 * 256
 INT8_MIN_KEYS = 128
 
 
-def int8_runs_exact_kernel(len_q: int, len_k: int, dtype: Optional[torch.dtype] = None) -> bool:
+def int8_runs_exact_kernel(
+    len_q: int, len_k: int, dtype: Optional[torch.dtype] = None, head_dim: Optional[int] = None
+) -> bool:
     """Whether an int8 call with ``len_q`` queries and ``len_k`` keys per head runs the exact
     kernel instead: too small to gain from quantizing on any CPU (``INT8_MIN_SCORES``,
     ``INT8_MIN_KEYS``), or, given its input ``dtype``, shorter than the length from which the
     int8 kernel measured faster than the exact one on this CPU, or in a dtype whose exact kernel
-    measured faster at every length (``variant_choice.int8_min_scores``: bfloat16 on AMX)."""
+    measured faster at every length (``variant_choice.int8_min_scores``: bfloat16 on AMX), or,
+    given its ``head_dim``, below the head dim from which it measured faster
+    (``variant_choice.int8_min_head_dim``: head dim 40 in bfloat16 on Zen 4)."""
     scores = len_q * len_k
     if scores < INT8_MIN_SCORES or len_k < INT8_MIN_KEYS:
         return True
     if dtype is None:
         return False
-    min_scores = variant_choice.int8_min_scores(str(dtype).removeprefix("torch."))
-    return min_scores is None or scores < min_scores
+    dtype_name = str(dtype).removeprefix("torch.")
+    min_scores = variant_choice.int8_min_scores(dtype_name)
+    if min_scores is None or scores < min_scores:
+        return True
+    return head_dim is not None and head_dim < variant_choice.int8_min_head_dim(dtype_name)
 
 
 def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -197,7 +204,7 @@ def forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     attention_int8_impl.h), in the inputs' dtype. Forward only: it has no gradient. Calls too
     small to gain, or in a dtype the exact kernel runs faster on this CPU
     (:func:`int8_runs_exact_kernel`), run the exact kernel (faster there)."""
-    if int8_runs_exact_kernel(query.shape[-2], key.shape[-2], query.dtype):
+    if int8_runs_exact_kernel(query.shape[-2], key.shape[-2], query.dtype, query.shape[-1]):
         args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
         return forward_cpu(*args, with_lse=False, counted_as="int8->tiled")[0]
     attn_mask = _kernel_mask(attn_mask)

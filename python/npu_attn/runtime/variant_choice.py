@@ -34,7 +34,10 @@ ran at 0.44-0.58x its speed on Sapphire Rapids), the ``int8`` strategy runs the 
 that dtype: faster and exact. Otherwise it runs the int8 kernel on calls from the shortest
 measured length on which int8 won, and on every longer one (:func:`int8_min_scores`): the
 break-even differs between CPU classes (Zen 3: 192-256 tokens; Sapphire Rapids with AVX-512
-hidden: 384-512). Cached under ``"int8 pays <dtype>"``.
+hidden: 384-512). The long shape is measured at other head dims too (``INT8_OTHER_HEAD_DIMS``):
+calls with a head dim below the smallest from which int8 won at every larger one run the exact
+kernel (:func:`int8_min_head_dim`; bfloat16 on Zen 4), and int8 pays where it won at the
+largest. Cached under ``"int8 pays <dtype>"``.
 
 Overrides: ``NPU_ATTN_ISA=name`` or ``npu_attn.runtime.set_isa(name)`` force one variant;
 ``NPU_ATTN_TUNE=0`` skips measuring and keeps the C++ rule (the most specialised runnable
@@ -79,6 +82,13 @@ INT8_COMPARISON_SHAPE = (1, 2, 2048, 2048, 64)
 # ran at 0.87-0.95x the exact kernel's speed at 256 tokens, 0.99-1.03x at 512, 1.06-1.07x at 1024.
 INT8_SHORT_LENGTHS = (256, 512, 1024)
 INT8_SHORT_HEADS = 4
+# The comparison length at the smallest head dim of the named diffusion models (SD-1.5's 40) and
+# at Flux's 128: the softmax and the per-score passes (the probabilities' 16-bit codes) cost the
+# same at any head dim, the products grow with it. On Zen 4 in bfloat16 (the exact kernel on
+# vdpbf16ps) int8 ran SD-1.5 64x64 (head dim 40) at 0.93x the exact kernel's speed, SDXL 64x64
+# (64) at 1.04x, Flux (128) at 1.11x and the VAE (512) at 1.27x; in float32 (the exact kernel on
+# FMA) at 1.67x, 1.95x, 2.12x and 2.32x.
+INT8_OTHER_HEAD_DIMS = (40, 128)
 # The backward's shapes: the common head dim and Flux's; one overall choice (no shape classes).
 BACKWARD_DTYPES = ("bfloat16",)
 BACKWARD_SHAPES = {
@@ -510,19 +520,44 @@ def _short_shape(length: int) -> tuple:
     return (1, INT8_SHORT_HEADS, length, length, INT8_COMPARISON_SHAPE[-1])
 
 
-def decide_int8(long_ms: dict[str, float], short_ms: dict[int, dict[str, float]]) -> dict:
-    """``pays``: the int8 kernel was faster on the long shape; ``min_tokens``: the shortest
-    measured length from which it was faster on every longer one measured (None where it does
-    not pay). A length it lost on keeps every shorter one on the exact kernel, even one it won
-    by noise."""
-    if long_ms["int8"] >= long_ms["exact"]:
-        return {"pays": False, "min_tokens": None}
+def _head_dim_shape(head_dim: int) -> tuple:
+    return INT8_COMPARISON_SHAPE[:-1] + (head_dim,)
+
+
+def _won(ms: dict[str, float]) -> bool:
+    return ms["int8"] < ms["exact"]
+
+
+def decide_int8(
+    long_ms: dict[str, float],
+    short_ms: dict[int, dict[str, float]],
+    head_dim_ms: Optional[dict[int, dict[str, float]]] = None,
+) -> dict:
+    """From the timings of the long shape (``long_ms``), of shorter ones at its head dim
+    (``short_ms``, by length) and of the long length at other head dims (``head_dim_ms``):
+    ``min_head_dim``, the smallest measured head dim from which the int8 kernel was faster at
+    every larger one measured (0 where that is the smallest measured: no limit); ``pays``, it
+    was faster at the largest; ``min_tokens``, the shortest measured length from which it was
+    faster on every longer one at the long shape's head dim (that shape's length if it lost
+    there). A length or head dim it lost on keeps every smaller one on the exact kernel, even
+    one it won by noise. None where it does not pay."""
+    by_head_dim = dict(head_dim_ms or {})
+    by_head_dim[INT8_COMPARISON_SHAPE[-1]] = long_ms
+    min_head_dim = None
+    for head_dim in sorted(by_head_dim, reverse=True):
+        if not _won(by_head_dim[head_dim]):
+            break
+        min_head_dim = head_dim
+    if min_head_dim is None:
+        return {"pays": False, "min_tokens": None, "min_head_dim": None}
+    if min_head_dim == min(by_head_dim):
+        min_head_dim = 0
     min_tokens = INT8_COMPARISON_SHAPE[2]
     for length in sorted(short_ms, reverse=True):
-        if short_ms[length]["int8"] >= short_ms[length]["exact"]:
+        if not _won(long_ms) or not _won(short_ms[length]):
             break
         min_tokens = length
-    return {"pays": True, "min_tokens": min_tokens}
+    return {"pays": True, "min_tokens": min_tokens, "min_head_dim": min_head_dim}
 
 
 def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
@@ -539,7 +574,7 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
         # Both kernels chosen under the same hold, so a concurrent pin() or forget() cannot
         # empty a decision between choosing it and reading it.
         kernels = {"int8": tune_int8()["choice"], "exact": tune(dtype)["choice"]["self-attention"]}
-        always = {"pays": True, "min_tokens": INT8_SHORT_LENGTHS[0]}
+        always = {"pays": True, "min_tokens": INT8_SHORT_LENGTHS[0], "min_head_dim": 0}
         fixed = dict(always, source="pinned variant: int8 kernel") if _pin() else None
 
         def measured() -> dict[str, Any]:
@@ -547,14 +582,17 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
             short = {
                 n: measure_int8_against_exact(dtype, _short_shape(n)) for n in INT8_SHORT_LENGTHS
             }
-            entry = dict(decide_int8(ms, short), kernels=kernels, ms=ms)
+            head_dims = {
+                d: measure_int8_against_exact(dtype, _head_dim_shape(d))
+                for d in INT8_OTHER_HEAD_DIMS
+            }
+            entry = dict(decide_int8(ms, short, head_dims), kernels=kernels, ms=ms)
             entry["short_ms"] = {str(n): t for n, t in short.items()}  # JSON keys
+            entry["head_dim_ms"] = {str(d): t for d, t in head_dims.items()}
             logger.info(
                 "npu_attn: int8 on %s measured against the exact kernel: %s (%s)",
                 dtype,
-                f"int8 kernel from {entry['min_tokens']} tokens"
-                if entry["pays"]
-                else "exact kernel, faster here",
+                int8_scope(entry),
                 format_timings(ms),
             )
             return entry
@@ -565,8 +603,12 @@ def tune_int8_pays(dtype: str, force: bool = False) -> dict[str, Any]:
             fixed,
             rule=lambda: dict(always, source="rule (NPU_ATTN_TUNE=0)"),
             # The two kernels compared: a cached answer holds only while both are still chosen
-            # (and it says from which length; entries from before that are measured again).
-            still_valid=lambda cached: cached.get("kernels") == kernels and "min_tokens" in cached,
+            # (and it says from which length and head dim; older entries are measured again).
+            still_valid=lambda cached: (
+                cached.get("kernels") == kernels
+                and "min_tokens" in cached
+                and "head_dim_ms" in cached
+            ),
             measure=measured,
         )
         _decided_int8_pays[dtype] = entry
@@ -584,6 +626,22 @@ def int8_min_scores(dtype: str) -> Optional[int]:
     CPU (None: never, the exact kernel is faster); :func:`tune_int8_pays`."""
     decision = tune_int8_pays(dtype)
     return decision["min_tokens"] ** 2 if decision["pays"] else None
+
+
+def int8_min_head_dim(dtype: str) -> int:
+    """The smallest head dim of int8 calls in ``dtype`` that run the int8 kernel on this CPU
+    (0: any; :func:`tune_int8_pays`); smaller ones run the exact kernel."""
+    return tune_int8_pays(dtype).get("min_head_dim") or 0
+
+
+def int8_scope(decision: dict) -> str:
+    """Which int8 calls run the int8 kernel, in words (logs, ``doctor``)."""
+    if not decision["pays"]:
+        return "exact kernel (faster here)"
+    scope = f"int8 kernel from {decision['min_tokens']} tokens"
+    if decision.get("min_head_dim"):
+        scope += f" and head dim {decision['min_head_dim']}"
+    return scope
 
 
 def ensure(dtype: str, backward: bool = False) -> None:

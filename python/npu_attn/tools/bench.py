@@ -193,7 +193,9 @@ def int8_runs_exact_kernel(case: Case) -> bool:
 
     from ..attention import ops
 
-    return ops.int8_runs_exact_kernel(case.len_q, case.len_k, getattr(torch, case.dtype))
+    return ops.int8_runs_exact_kernel(
+        case.len_q, case.len_k, getattr(torch, case.dtype), case.head_dim
+    )
 
 
 def check_agreement(case: Case, names=COMPETITORS) -> tuple[float, Optional[float]]:

@@ -197,11 +197,7 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
         variant = int8["variant"]
         lines.append(f"  {'int8':9} {variant['choice']}  [{variant['source']}]")
         for dtype, d in int8["per_dtype"].items():
-            runs = (
-                f"int8 kernel from {d['min_tokens']} tokens"
-                if d["pays"]
-                else "exact kernel (faster here)"
-            )
+            runs = _variant_choice.int8_scope(d)
             timings = f": {_variant_choice.format_timings(d['ms'])}" if "ms" in d else ""
             lines.append(f"  {'':9}   {dtype}: {runs}  [{d['source']}]{timings}")
     lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
