@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import npu_attn
 from npu_attn import _C
-from npu_attn.attention import ops, strategies
+from npu_attn.attention import strategies
 from npu_attn.device import DeviceManager, DeviceProbe
 from npu_attn.tools import doctor
 
@@ -252,7 +252,7 @@ def test_doctor_json_reports_a_healthy_install():
     # does for float32 on this CPU at all
     int8 = report["strategies"]["int8"]["self_test"]
     assert int8["ok"] and int8["cosine"] >= 0.999 and int8["relative_l1"] <= 3e-2
-    runs_own_kernel = not ops.int8_runs_exact_kernel(int8["tokens"], int8["tokens"], torch.float32)
+    runs_own_kernel = not doctor.int8_runs_exact_kernel_in_self_test(int8["tokens"])
     assert int8["ran_lossy_kernel"] is (True if runs_own_kernel else None)
     if runs_own_kernel:
         assert int8["relative_l1"] > 1e-5  # really quantized, not the exact kernel's 1e-7
@@ -293,13 +293,29 @@ def test_doctor_keeps_the_variant_the_caller_pinned(capsys):
 def test_doctor_fails_an_int8_strategy_that_never_runs_the_int8_kernel(monkeypatch, capsys):
     # An int8 strategy that always ran the exact kernel would pass the lossy accuracy bar;
     # the self-test counts the int8 kernel's calls, so it does not pass.
-    if ops.int8_runs_exact_kernel(4096, 4096, torch.float32):
-        pytest.skip("the exact kernel is faster than int8 at every length for float32 here")
+    if doctor.int8_runs_exact_kernel_in_self_test(4096):
+        pytest.skip("the exact kernel is faster than int8 in the self-test's float32 call here")
     monkeypatch.setitem(strategies.RUNNERS, "int8", strategies.RUNNERS["tiled"])
     assert doctor.main([]) == 1
     assert (
         "int8     available, self-test FAILED (lossy, NOT its kernel at" in capsys.readouterr().out
     )
+
+
+def test_doctor_int8_self_test_where_its_head_dim_runs_the_exact_kernel(monkeypatch):
+    """Where int8 measured slower than the exact kernel at the self-test's head dim (40; as in
+    bfloat16 on Zen 4), the strategy runs the exact kernel for it at every length, and the
+    self-test checks the accuracy of what users get without claiming the int8 kernel ran."""
+    from npu_attn.runtime import variant_choice
+
+    monkeypatch.setattr(variant_choice, "int8_min_scores", lambda dtype: 256 * 256)
+    monkeypatch.setattr(variant_choice, "int8_min_head_dim", lambda dtype: 64)
+    assert all(doctor.int8_runs_exact_kernel_in_self_test(n) for n in doctor.INT8_SELF_TEST_LENGTHS)
+    result = doctor.int8_self_test(strategies.RUNNERS["int8"])
+    assert result["ok"] and result["ran_lossy_kernel"] is None
+    assert result["relative_l1"] < 1e-5  # the exact kernel's error, not quantized
+    monkeypatch.setattr(variant_choice, "int8_min_head_dim", lambda dtype: 0)
+    assert not doctor.int8_runs_exact_kernel_in_self_test(256)
 
 
 @pytest.fixture

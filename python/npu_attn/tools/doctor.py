@@ -21,7 +21,7 @@ import sys
 from typing import Any, Optional
 
 from . import doctor_ascend
-from .self_test import lossy_self_test, self_test
+from .self_test import HEAD_DIM, lossy_self_test, self_test
 
 # Lengths the int8 self-test looks for its kernel at: the int8 strategy leaves shorter calls
 # to the exact kernel (ops.int8_runs_exact_kernel; the measured break-even is 256-512 tokens on
@@ -29,18 +29,24 @@ from .self_test import lossy_self_test, self_test
 INT8_SELF_TEST_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 
 
-def int8_self_test(fn) -> dict[str, Any]:
-    """The int8 strategy against the lossy bar, at the shortest of INT8_SELF_TEST_LENGTHS at
-    which it runs the int8 kernel for float32 on this CPU, checking that it did; where the
-    exact kernel is faster at every length here, at the shortest (what users get)."""
+def int8_runs_exact_kernel_in_self_test(length: int) -> bool:
+    """Whether the int8 strategy gives the self-test's float32 call (``length`` queries and
+    keys, head dim ``self_test.HEAD_DIM``) to the exact kernel on this CPU."""
     import torch
 
     from ..attention import ops
+
+    return ops.int8_runs_exact_kernel(length, length, torch.float32, HEAD_DIM)
+
+
+def int8_self_test(fn) -> dict[str, Any]:
+    """The int8 strategy against the lossy bar, at the shortest of INT8_SELF_TEST_LENGTHS at
+    which it runs the int8 kernel for float32 on this CPU, checking that it did; where the
+    exact kernel is faster at every length (or at the self-test's head dim) here, at the
+    shortest (what users get)."""
     from ..runtime import counts
 
-    runs_kernel = [
-        n for n in INT8_SELF_TEST_LENGTHS if not ops.int8_runs_exact_kernel(n, n, torch.float32)
-    ]
+    runs_kernel = [n for n in INT8_SELF_TEST_LENGTHS if not int8_runs_exact_kernel_in_self_test(n)]
     if not runs_kernel:
         return lossy_self_test(fn, INT8_SELF_TEST_LENGTHS[0])
 

@@ -9,15 +9,18 @@ from typing import Any
 SELF_TEST_TOLERANCE = 1e-4
 
 
+HEAD_DIM = 40  # SD-1.5's
+
+
 def inputs(len_q: int = 67, len_k: int = 93):
-    """A grouped-query case (4 query heads, 2 key/value heads, head dim 40) with a boolean
-    mask."""
+    """A grouped-query case (4 query heads, 2 key/value heads, head dim ``HEAD_DIM``) with a
+    boolean mask."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, len_q, 40, generator=g)
-    k = torch.randn(2, 2, len_k, 40, generator=g)
-    v = torch.randn(2, 2, len_k, 40, generator=g)
+    q = torch.randn(2, 4, len_q, HEAD_DIM, generator=g)
+    k = torch.randn(2, 2, len_k, HEAD_DIM, generator=g)
+    v = torch.randn(2, 2, len_k, HEAD_DIM, generator=g)
     mask = torch.rand(2, 1, len_q, len_k, generator=g) > 0.2
     return q, k, v, mask
 
