@@ -553,8 +553,8 @@ def decide_int8(
     if min_head_dim == min(by_head_dim):
         min_head_dim = 0
     min_tokens = INT8_COMPARISON_SHAPE[2]
-    for length in sorted(short_ms, reverse=True):
-        if not _won(long_ms) or not _won(short_ms[length]):
+    for length in sorted(short_ms, reverse=True) if _won(long_ms) else ():
+        if not _won(short_ms[length]):
             break
         min_tokens = length
     return {"pays": True, "min_tokens": min_tokens, "min_head_dim": min_head_dim}

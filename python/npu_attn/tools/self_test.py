@@ -7,8 +7,6 @@ from typing import Any
 
 # A float32 result must match the float64 reference within this (relative to output scale).
 SELF_TEST_TOLERANCE = 1e-4
-
-
 HEAD_DIM = 40  # SD-1.5's
 
 
