@@ -12,10 +12,20 @@ P scaled by its maximum over the key tile (a per-query scale per tile, applied t
 lanes after the tile). Gaussian queries, keys and values; the score temperature sharpens the
 rows (1: diffuse, 3: peaked).
 
-    python bench/int8_pv_code_widths.py     # numpy only, about a minute
+`--whole-scheme` models the whole int8 kernel instead (Q·Kᵀ as the kernel quantizes it: query
+channel factors, K smoothed per key tile, per-token codes; then P·V in each width) on the
+accuracy test's inputs (tests/py/test_int8_attention.py: keys with per-channel offsets, query
+outlier channels) for the named model shapes, against float64 exact attention. The kernel's
+own error on the same inputs is printed first: it checks the model (its 16-bit column).
+
+    python bench/int8_pv_code_widths.py                  # numpy only, about a minute
+    python bench/int8_pv_code_widths.py --whole-scheme   # torch and npu_attn, about a minute
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -48,13 +58,15 @@ def probability_codes(p: np.ndarray, code_max: int, per_tile: bool = False) -> n
     return out
 
 
-def value_codes(v: np.ndarray, limit: int) -> np.ndarray:
-    """V rounded per channel and key tile to `limit` steps of max|v| / limit."""
+def value_codes(v: np.ndarray, limit: int, smoothed: bool = False) -> np.ndarray:
+    """V rounded per channel and key tile to `limit` steps of max|v| / limit (smoothed: of
+    V minus the tile's per-channel mean, which is added back exactly)."""
     out = np.empty_like(v)
     for start in range(0, v.shape[0], KEY_TILE):
         tile = v[start : start + KEY_TILE]
-        scale = np.abs(tile).max(axis=0) / limit
-        out[start : start + KEY_TILE] = np.rint(tile / scale) * scale
+        mean = tile.mean(axis=0) if smoothed else np.zeros(v.shape[1])
+        scale = np.abs(tile - mean).max(axis=0) / limit
+        out[start : start + KEY_TILE] = np.rint((tile - mean) / scale) * scale + mean
     return out
 
 
@@ -78,5 +90,86 @@ def main() -> None:
         print(f"| {keys}, {dim}, {temperature:g} | {row} |")
 
 
+WHOLE_SCHEME_SHAPES = (  # (label, Lq, Lk, D): the accuracy test's named shapes
+    ("SD-1.5 64x64", 4096, 4096, 40),
+    ("SD-1.5 32x32", 1024, 1024, 80),
+    ("SD-1.5 16x16", 256, 256, 160),
+    ("SD-1.5 cross", 4096, 77, 40),
+    ("SDXL 64x64", 4096, 4096, 64),
+    ("SD3 / Flux 1024 joint", 4429, 4429, 128),
+    ("VAE mid-block", 4096, 4096, 512),
+)
+WHOLE_SCHEME_PV = (  # (label, P code maximum, V code limit, P per query and tile, V smoothed)
+    ("14-bit P, 11-bit V (the kernel)", 16383, 1023, False, False),
+    ("8-bit P per query and tile, 11-bit V", 255, 1023, True, False),
+    ("14-bit P, 8-bit V", 16383, 127, False, False),
+    ("8-bit P per query and tile, 8-bit V (vpdpbusd)", 255, 127, True, False),
+    ("the same, V smoothed per tile", 255, 127, True, True),
+)
+
+
+def int8_codes(x: np.ndarray) -> np.ndarray:
+    """Per-row codes in [-127, 127], dequantized (the kernel's per-token Q and K codes)."""
+    scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(x / scale), -127, 127) * scale
+
+
+def int8_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Q·Kᵀ / sqrt(D) as the kernel computes it: query channel factors c_d (moved into K), K
+    smoothed by each key tile's mean (added back exactly), per-token 8-bit codes."""
+    qs = q / np.sqrt(q.shape[1])
+    channel_max = np.abs(qs).max(axis=0)
+    factors = np.sqrt(channel_max / channel_max.mean())
+    factors = np.where(factors > 0, factors, 1.0)
+    q_codes = int8_codes(qs / factors)
+    scores = np.empty((q.shape[0], k.shape[0]))
+    for start in range(0, k.shape[0], KEY_TILE):
+        tile = k[start : start + KEY_TILE]
+        mean = tile.mean(axis=0)
+        k_codes = int8_codes((tile - mean) * factors)
+        scores[:, start : start + KEY_TILE] = q_codes @ k_codes.T + (qs @ mean)[:, None]
+    return scores
+
+
+def relative_l1(out: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.abs(out - exact).sum() / np.abs(exact).sum())
+
+
+def whole_scheme() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    import npu_attn
+    from npu_attn.attention import ops
+
+    ops.INT8_MIN_SCORES = ops.INT8_MIN_KEYS = 0  # the int8 kernel on every shape, as the test
+    print("| shape | the kernel | " + " | ".join(s[0] for s in WHOLE_SCHEME_PV) + " |")
+    print("|---" * (len(WHOLE_SCHEME_PV) + 2) + "|")
+    for label, lq, lk, dim in WHOLE_SCHEME_SHAPES:
+        heads = 1 if dim >= 128 else 2
+        g = torch.Generator().manual_seed(0)  # the accuracy test's diffusion_like inputs
+        q = torch.randn(1, heads, lq, dim, generator=g)
+        k = torch.randn(1, heads, lk, dim, generator=g)
+        k = k + 10 * torch.randn(1, heads, 1, dim, generator=g)
+        v = torch.randn(1, heads, lk, dim, generator=g)
+        q[..., ::16] *= 8
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())[0].numpy()
+        measured = npu_attn.scaled_dot_product_attention(q, k, v, backend="int8")[0].double()
+
+        qs, ks, vs = (x[0].double().numpy() for x in (q, k, v))
+        scores = [int8_scores(qs[h], ks[h]) for h in range(heads)]
+        row = [relative_l1(measured.numpy(), exact)]
+        for _, p_max, v_limit, per_tile, smoothed in WHOLE_SCHEME_PV:
+            out = []
+            for h in range(heads):
+                p = np.exp(scores[h] - scores[h].max(axis=1, keepdims=True))
+                values = value_codes(vs[h], v_limit, smoothed)
+                out.append(probability_codes(p, p_max, per_tile) @ values / p.sum(axis=1)[:, None])
+            row.append(relative_l1(np.stack(out), exact))
+        print(f"| {label} | " + " | ".join(f"{e:.2e}" for e in row) + " |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    whole_scheme() if "--whole-scheme" in sys.argv[1:] else main()
