@@ -267,6 +267,45 @@ def test_a_head_dim_int8_lost_on_runs_the_exact_kernel_below_the_compared_one(
     assert variant_choice.tune_int8_pays("float32")["source"].endswith("cached")
 
 
+def test_the_doctor_shows_every_timing_behind_the_int8_decision():
+    """The doctor prints the comparisons the decision came from, the head dims and shorter
+    lengths too: without them a near tie at head dim 64 (Zen 4, bfloat16: 11.34 against
+    11.40 ms) reads as a coin flip."""
+    from npu_attn.tools import doctor
+
+    won, lost = {"int8": 1.0, "exact": 2.0}, {"int8": 3.0, "exact": 2.5}
+    decision = dict(
+        variant_choice.decide_int8(won, {256: lost, 512: won, 1024: won}, {40: lost, 128: won}),
+        source="measured",
+        ms=won,
+        head_dim_ms={"40": lost, "128": won},
+        short_ms={"256": lost, "512": won, "1024": won},
+    )
+    rows = variant_choice.int8_comparisons(decision)
+    assert [label for label, _ in rows] == [
+        "B1 H2 L2048 D64",
+        "B1 H2 L2048 D40",
+        "B1 H2 L2048 D128",
+        "B1 H4 L1024 D64",
+        "B1 H4 L512 D64",
+        "B1 H4 L256 D64",
+    ]
+    assert rows[1][1] is lost and rows[-1][1] is lost
+    report = {
+        "variant_choice": {},
+        "int8_choice": {
+            "variant": {"choice": "avx2", "source": "measured"},
+            "per_dtype": {"bfloat16": decision, "float16": {"pays": False, "source": "rule"}},
+        },
+        "variant_cache": "cache.json",
+    }
+    text = "\n".join(doctor._variant_lines(report))
+    assert "bfloat16: int8 kernel from 512 tokens and head dim 64  [measured]" in text
+    assert "B1 H2 L2048 D40: exact 2.50 ms, int8 3.00 ms" in text
+    assert "B1 H4 L256 D64: exact 2.50 ms, int8 3.00 ms" in text
+    assert "float16: exact kernel (faster here)  [rule]\n  (cache" in text  # nothing measured
+
+
 def test_the_int8_or_exact_decision_is_the_faster_measured_kernel(monkeypatch, forgets_decisions):
     monkeypatch.delenv("NPU_ATTN_TUNE", raising=False)
     monkeypatch.delenv("NPU_ATTN_ISA", raising=False)

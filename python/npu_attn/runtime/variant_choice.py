@@ -644,6 +644,25 @@ def int8_scope(decision: dict) -> str:
     return scope
 
 
+def int8_comparisons(decision: dict) -> list[tuple[str, dict[str, float]]]:
+    """The measured int8-against-exact timings behind a decision, labelled by shape ("B1 H2
+    L2048 D64"): the comparison shape, then the other head dims and the shorter lengths, for
+    ``doctor``; empty where nothing was measured."""
+    if "ms" not in decision:
+        return []
+
+    def label(shape: tuple) -> str:
+        batch, heads, length, _, head_dim = shape
+        return f"B{batch} H{heads} L{length} D{head_dim}"
+
+    rows = [(label(INT8_COMPARISON_SHAPE), decision["ms"])]
+    for d, ms in sorted(decision.get("head_dim_ms", {}).items(), key=lambda x: int(x[0])):
+        rows.append((label(_head_dim_shape(int(d))), ms))
+    for n, ms in sorted(decision.get("short_ms", {}).items(), key=lambda x: -int(x[0])):
+        rows.append((label(_short_shape(int(n))), ms))
+    return rows
+
+
 def ensure(dtype: str, backward: bool = False) -> None:
     """Make sure ``dtype``'s variant (with ``backward``, also its backward's) is chosen before
     a kernel call (cheap after the first)."""

@@ -203,9 +203,9 @@ def _variant_lines(report: dict[str, Any]) -> list[str]:
         variant = int8["variant"]
         lines.append(f"  {'int8':9} {variant['choice']}  [{variant['source']}]")
         for dtype, d in int8["per_dtype"].items():
-            runs = _variant_choice.int8_scope(d)
-            timings = f": {_variant_choice.format_timings(d['ms'])}" if "ms" in d else ""
-            lines.append(f"  {'':9}   {dtype}: {runs}  [{d['source']}]{timings}")
+            lines.append(f"  {'':9}   {dtype}: {_variant_choice.int8_scope(d)}  [{d['source']}]")
+            for shape, ms in _variant_choice.int8_comparisons(d):
+                lines.append(f"  {'':9}     {shape}: {_variant_choice.format_timings(ms)}")
     lines.append(f"  (cache: {report['variant_cache']}; `doctor --tune` measures again)")
     return lines
 
