@@ -169,13 +169,15 @@ constexpr int32_t kProbabilityCodeMax = 16383;  // P in [0, 1] -> [0, 16383]
 constexpr int32_t kValueCodeLimit = 1023;       // V / scale in [-1023, 1023]
 constexpr float kValueCodeMax = kValueCodeLimit;
 // Keys per integer P*V pass: its int32 sums stay below 2^31 (each pair of keys adds at most
-// 2 * 16383 * 1023), then go to the float32 O^T. 128-key passes ran at 77 GMAC/s, 64-key passes
+// 2 * 16384 * 1023), then go to the float32 O^T. 128-key passes ran at 77 GMAC/s, 64-key passes
 // (which would allow 15-bit P) at 70 (Zen 3, one core, micro-benchmark): the int32 -> float32
 // step after each pass is what the longer pass saves. Of the splits of the 31 bits, V's bits
 // matter more: 14-bit P and 11-bit V differed from float32 P*V by 1.0e-3 (relative L1, Gaussian
 // values), 15-bit P and 10-bit V by 1.9e-3.
 constexpr int kIntegerPvKeyChunk = 128;
-static_assert(int64_t{kIntegerPvKeyChunk} * kProbabilityCodeMax * kValueCodeLimit <= INT32_MAX,
+// (probability_code can give kProbabilityCodeMax + 1 where p = 1 meets a carry of 1/2.)
+static_assert(int64_t{kIntegerPvKeyChunk} * (kProbabilityCodeMax + 1) * kValueCodeLimit <=
+                  INT32_MAX,
               "integer P*V sums of one pass fit in int32");
 constexpr int kKeysPerValueWord = 2;  // two 16-bit codes of consecutive keys per 32-bit word
 
@@ -689,13 +691,19 @@ void int8_scores(const AliasWord* k_codes, int64_t words, const uint32_t* q_code
 // run of keys sum to their probabilities' sum within one code. Plain rounding can bias a long
 // tail of similar small probabilities (0.74 -> 1 for every key of the tail), and values sharing
 // an offset turn that into an output error (5% in ALongTailOfSmallProbabilitiesKeepsItsWeight).
-NPU_ATTN_VEC_INLINE IVec probability_code(Vec p, Vec& carry) {
+// The code is round(x) in the low bits of x + kRoundMagic (round_to_int without its integer
+// subtraction): the word packing below keeps only the low 16 bits, which hold the code itself.
+// No clamps: p in [0, 1] and a carry in [-1/2, 1/2] keep x in [-1/2, kProbabilityCodeMax + 1/2],
+// so codes are 0 to kProbabilityCodeMax + 1 (a tie at p = 1), within the int32 sums' bound.
+// The carry's chain per key is then one FMA and three adds (with the clamps and a conversion
+// back it was six operations longer).
+NPU_ATTN_VEC_INLINE UVec probability_code(Vec p, Vec& carry) {
   const Vec x = p * splat(static_cast<float>(kProbabilityCodeMax)) + carry;
-  IVec code = round_to_int(x);
-  code = code < 0 ? IVec{} : code;
-  code = code > kProbabilityCodeMax ? IVec{} + kProbabilityCodeMax : code;
-  carry = x - __builtin_convertvector(code, Vec);
-  return code;
+  const Vec shifted = x + splat(kRoundMagic);
+  carry = x - (shifted - splat(kRoundMagic));
+  UVec bits;
+  __builtin_memcpy(&bits, &shifted, sizeof(bits));
+  return bits;
 }
 
 void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
@@ -705,10 +713,10 @@ void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
     const float* first = st + kKeysPerValueWord * jp * ld;
     const bool has_second = kKeysPerValueWord * jp + 1 < keys;
     for (int64_t v = 0; v < vecs; ++v) {
-      const IVec lo = probability_code(load(first + v * kLanes), carry[v]);
-      const IVec hi =
-          has_second ? probability_code(load(first + ld + v * kLanes), carry[v]) : IVec{};
-      const UVec word = ((UVec)lo & 0xFFFFu) | ((UVec)hi << 16);
+      const UVec lo = probability_code(load(first + v * kLanes), carry[v]);
+      const UVec hi =
+          has_second ? probability_code(load(first + ld + v * kLanes), carry[v]) : UVec{};
+      const UVec word = (lo & 0xFFFFu) | (hi << 16);
       __builtin_memcpy(st + jp * ld + v * kLanes, &word, sizeof(word));
     }
   }
