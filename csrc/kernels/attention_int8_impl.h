@@ -33,9 +33,10 @@
 //   16 queries x 64 channels per instruction, on K rows padded to whole tiles.
 // - Scores are dequantized to float32 (acc * q_scale * k_scale + q.mu); masks, the online
 //   softmax and the output are the float32 kernel's (key_tile_probabilities, write_output).
-// - P*V: with AVX2 on 16-bit integers (kIntegerValues), elsewhere in float32 (exact). 8-bit
-//   codes do not suit P: vpmaddubsw needs one unsigned and one signed operand with pairs below
-//   32768, so P would get 7 bits, an absolute step of 1/127 that rounds the many small
+// - P*V: with AVX2 on 16-bit integers (kIntegerValues; with AVX512-BF16 on bfloat16 pairs
+//   instead, kBf16Values), elsewhere in float32 (exact).
+//   8-bit codes do not suit P: vpmaddubsw needs one unsigned and one signed operand with pairs
+//   below 32768, so P would get 7 bits, an absolute step of 1/127 that rounds the many small
 //   probabilities of a long, diffuse row to zero. vpmaddwd multiplies 16-bit pairs into exact
 //   int32 sums and ran at 1.6x the FMA loop's multiply-adds on Zen 3 (one core, operands in
 //   L1, 6 x 2 register blocks: 77 against 50 GMAC/s), so P gets 14 bits (P in [0, 1] times
@@ -114,6 +115,23 @@ static_assert(sizeof(IReg) == sizeof(IVec), "one vector per register");
 
 // P*V on 16-bit integers (vpmaddwd) where the variant has integer registers; float32 elsewhere.
 constexpr bool kIntegerValues = NPU_ATTN_INT8_REGISTERS;
+// P*V on bfloat16 pairs (vdpbf16ps) instead of 16-bit integer codes: the avx512_bf16 variant
+// (NPU_ATTN_INT8_BF16_VALUES), whose exact bfloat16 kernel runs P*V on the same instruction.
+// vpdpwssd does as many multiply-adds per instruction, so the codes bought nothing there; the
+// bfloat16 pairs need no per-channel value scales, no carried rounding of P (bfloat16 keeps
+// each probability's relative precision) and no int32 -> float32 step after 128-key passes.
+// V and P are rounded to bfloat16 (to nearest even; bfloat16 inputs' V exactly): about 1e-3
+// relative L1 on the output, like the 16-bit codes (ValueProductErrorAlone). Zen 4: 0.96x the
+// avx512_vnni int8 kernel's time in float32, 0.95x in bfloat16. Not in amx_int8: on Sapphire
+// Rapids vdpbf16ps runs at half the FMA rate.
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+#if !defined(__AVX512BF16__) || NPU_ATTN_VEC_BYTES != 64
+#error "bfloat16 P*V is the 512-bit AVX512-BF16 variant's"
+#endif
+constexpr bool kBf16Values = true;
+#else
+constexpr bool kBf16Values = false;
+#endif
 // The integer products on VNNI units (vpdpbusd for Q K^T, vpdpwssd for P*V): the avx_vnni
 // variant (VEX), the avx512_vnni and amx_int8 variants (EVEX, on zmm registers) and the tests'
 // emulation of those instructions on AVX2 (tests/cpp/vnni_emulation.h).
@@ -226,7 +244,8 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   if (plan.integer_values) {  // V as codes
     plan.fp.pack_v = false;
     plan.fp.v_panels = false;
-    plan.fp.pv_key_chunk = kIntegerPvKeyChunk;
+    // bfloat16 pairs accumulate in float32: one pass over the whole key tile.
+    plan.fp.pv_key_chunk = kBf16Values ? plan.fp.block_k : kIntegerPvKeyChunk;
   }
   ForwardSchedule& s = plan.schedule;
   s = plan.fp.schedule;
@@ -289,6 +308,19 @@ NPU_ATTN_VEC_INLINE IVec round_to_int(Vec x) {
   __builtin_memcpy(&bits, &y, sizeof(bits));
   return bits - kRoundMagicBits;
 }
+
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+// Two float32 vectors -> one vector of bfloat16 pairs (lo[i] in the low half of word i, hi[i]
+// in the high half), rounded to nearest even (vcvtne2ps2bf16 puts lo in words 0-15 and hi in
+// 16-31; vpermw interleaves them): the operand layout of vdpbf16ps.
+NPU_ATTN_VEC_INLINE UVec bf16_pairs(Vec lo, Vec hi) {
+  const __m512i interleave =
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (UVec)_mm512_permutexvar_epi16(interleave,
+                                        (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+}
+#endif
 
 // ---------------------------------------------------------------- packing K
 // The packing loops run along the head dim, kLanes channels at a time (a scalar tail), reading
@@ -431,6 +463,48 @@ void pack_int8_key_tile(const AttentionParams& p, const Int8Plan& plan, int64_t 
 }
 
 // ---------------------------------------------------------------- packing V (integer P*V)
+// With kBf16Values: keys [k0, end) of V as bfloat16 pairs in the code layout (word (g, key
+// pair, r) holds channel 6g + r of both keys, the later key in the high half; 0 past the last
+// key and in the padding channels of the last panel). No scales: bfloat16 carries each value's
+// own exponent (NaN and inf too).
+template <typename T>
+void pack_value_pairs(const AttentionParams& p, const Int8Plan& plan, const T* v_rows, int64_t sj,
+                      int64_t sd, int64_t k0, int64_t end, float* packed) {
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+  const int64_t dim = p.head_dim_v, full = dim / kLanes * kLanes;
+  const int64_t panels = ceil_div(dim, kBlockRows), panel_stride = plan.key_pairs * kBlockRows;
+  AliasWord* codes = reinterpret_cast<AliasWord*>(packed + plan.v_codes);
+  for (int64_t j = k0; j < end; j += kKeysPerValueWord) {
+    const T* first = v_rows + j * sj;
+    const T* second = j + 1 < end ? first + sj : nullptr;
+    AliasWord* pair_words = codes + j / kKeysPerValueWord * kBlockRows;
+    auto put = [&](int64_t d, uint32_t word) {
+      pair_words[d / kBlockRows * panel_stride + d % kBlockRows] = word;
+    };
+    int64_t d = 0;
+    for (; d < full; d += kLanes) {
+      const Vec lo = load_channels(first, sd, d);
+      const UVec word = bf16_pairs(lo, second ? load_channels(second, sd, d) : splat(0.0f));
+      for (int i = 0; i < kLanes; ++i) put(d + i, word[i]);
+    }
+    if (d < dim) {  // the ragged channels through one vector, zero-padded
+      Vec lo = splat(0.0f), hi = splat(0.0f);
+      for (int64_t c = d; c < dim; ++c) {
+        lo[c - d] = to_float(first[c * sd]);
+        hi[c - d] = second ? to_float(second[c * sd]) : 0.0f;
+      }
+      const UVec word = bf16_pairs(lo, hi);
+      for (int64_t c = d; c < dim; ++c) put(c, word[c - d]);
+      d = dim;
+    }
+    for (; d < panels * kBlockRows; ++d) put(d, 0);
+  }
+#else
+  (void)p, (void)plan, (void)v_rows, (void)sj, (void)sd, (void)k0, (void)end, (void)packed;
+  __builtin_unreachable();  // only with kBf16Values
+#endif
+}
+
 // Keys [tile * block_k, + block_k) of one pair's V: per channel d its scale max|v_d| / 1023
 // over the tile's keys (NaN if a value is NaN or inf: the codes cannot carry it, and the scale
 // makes that channel NaN for every query, as exact attention does) and the scale's inverse,
@@ -445,6 +519,10 @@ void pack_value_codes(const AttentionParams& p, const Int8Plan& plan, int64_t pa
   const int64_t k0 = tile * plan.fp.block_k, end = min_i64(k0 + plan.fp.block_k, p.len_k);
   const T* v_rows = static_cast<const T*>(p.v) + b * p.v_stride[0] + hkv * p.v_stride[1];
   const int64_t sj = p.v_stride[2], sd = p.v_stride[3];
+  if constexpr (kBf16Values) {
+    pack_value_pairs(p, plan, v_rows, sj, sd, k0, end, packed);
+    return;
+  }
   float* scale = packed + plan.v_stats + tile * 2 * dim;
   float* inverse = scale + dim;
   for (int64_t d = 0; d < dim; ++d) scale[d] = inverse[d] = 0.0f;  // max |v|, NaN if non-finite
@@ -706,6 +784,25 @@ NPU_ATTN_VEC_INLINE UVec probability_code(Vec p, Vec& carry) {
   return bits;
 }
 
+// With kBf16Values: P^T to bfloat16 pairs in place, in the codes' word rows (rounded to
+// nearest even, no carried error).
+void probability_pairs(float* st, int64_t ld, int64_t keys, int64_t vecs) {
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+  for (int64_t jp = 0; jp * kKeysPerValueWord < keys; ++jp) {
+    const float* first = st + kKeysPerValueWord * jp * ld;
+    const bool has_second = kKeysPerValueWord * jp + 1 < keys;
+    for (int64_t v = 0; v < vecs; ++v) {
+      const UVec word = bf16_pairs(load(first + v * kLanes),
+                                   has_second ? load(first + ld + v * kLanes) : splat(0.0f));
+      __builtin_memcpy(st + jp * ld + v * kLanes, &word, sizeof(word));
+    }
+  }
+#else
+  (void)st, (void)ld, (void)keys, (void)vecs;
+  __builtin_unreachable();  // only with kBf16Values
+#endif
+}
+
 void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
   Vec carry[kTileQueryVecs];
   for (int64_t v = 0; v < vecs; ++v) carry[v] = splat(0.0f);
@@ -731,6 +828,34 @@ template <int Cols>
 NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_t* pw, int64_t ld,
                                            int64_t pairs, const float* scale, int64_t rows,
                                            float* ot) {
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+  if constexpr (kBf16Values) {  // the same block on bfloat16 pairs, float32 sums (no scales)
+    (void)scale;
+    __m512 acc[kBlockRows][Cols];
+#pragma GCC unroll 8
+    for (int r = 0; r < kBlockRows; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      __m512bh pv[Cols];
+#pragma GCC unroll 4
+      for (int c = 0; c < Cols; ++c) pv[c] = (__m512bh)load_ireg(pw + jp * ld + c * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < kBlockRows; ++r) {
+        const __m512bh v = (__m512bh)broadcast_word(panel[jp * kBlockRows + r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v, pv[c]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < Cols; ++c) {
+        float* o = ot + r * ld + c * kLanes;
+        store(o, load(o) + (Vec)acc[r][c]);
+      }
+    return;
+  }
+#endif
   IVec acc[kBlockRows][Cols];
 #pragma GCC unroll 8
   for (int r = 0; r < kBlockRows; ++r)
@@ -770,7 +895,11 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
                                const float* pair_pack, const QueryTile& tile, int64_t k0,
                                int64_t keys, int64_t key_tile, Int8Scratch& ws) {
   const int64_t ld = plan.schedule.block_q, dim = p.head_dim_v;
-  quantize_probabilities(ws.fp.st, ld, keys, tile.vecs);
+  if constexpr (kBf16Values) {
+    probability_pairs(ws.fp.st, ld, keys, tile.vecs);
+  } else {
+    quantize_probabilities(ws.fp.st, ld, keys, tile.vecs);
+  }
   const AliasWord* codes = reinterpret_cast<const AliasWord*>(pair_pack + plan.v_codes);
   const float* value_scale = pair_pack + plan.v_stats + key_tile * 2 * dim;
   const uint32_t* p_words = reinterpret_cast<const uint32_t*>(ws.fp.st);
@@ -783,7 +912,7 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
           codes + (g * plan.key_pairs + (k0 + j0) / kKeysPerValueWord) * kBlockRows;
       const int64_t rows = min_i64(kBlockRows, dim - g * kBlockRows);
       float scale[kBlockRows];
-      for (int64_t r = 0; r < rows; ++r)
+      for (int64_t r = 0; r < rows && !kBf16Values; ++r)
         scale[r] = value_scale[g * kBlockRows + r] * (1.0f / kProbabilityCodeMax);
       float* ot = ws.fp.ot + g * kBlockRows * ld;
       int64_t v = 0;
