@@ -14,8 +14,8 @@ rows (1: diffuse, 3: peaked).
 
 `--whole-scheme` models the whole int8 kernel instead (Q·Kᵀ as the kernel quantizes it: query
 channel factors, K smoothed per key tile, per-token codes; then P·V in each width) on the
-accuracy test's inputs (tests/py/test_int8_attention.py: keys with per-channel offsets, query
-outlier channels) for the named model shapes, against float64 exact attention. The kernel's
+accuracy report's shapes and inputs (bench/int8_accuracy.py: keys with per-channel offsets,
+query outlier channels, as in the accuracy test), against float64 exact attention. The kernel's
 own error on the same inputs is printed first: it checks the model (its 16-bit column).
 
     python bench/int8_pv_code_widths.py                  # numpy only, about a minute
@@ -90,15 +90,6 @@ def main() -> None:
         print(f"| {keys}, {dim}, {temperature:g} | {row} |")
 
 
-WHOLE_SCHEME_SHAPES = (  # (label, Lq, Lk, D): the accuracy test's named shapes
-    ("SD-1.5 64x64", 4096, 4096, 40),
-    ("SD-1.5 32x32", 1024, 1024, 80),
-    ("SD-1.5 16x16", 256, 256, 160),
-    ("SD-1.5 cross", 4096, 77, 40),
-    ("SDXL 64x64", 4096, 4096, 64),
-    ("SD3 / Flux 1024 joint", 4429, 4429, 128),
-    ("VAE mid-block", 4096, 4096, 512),
-)
 WHOLE_SCHEME_PV = (  # (label, P code maximum, V code limit, P per query and tile, V smoothed)
     ("14-bit P, 11-bit V (the kernel)", 16383, 1023, False, False),
     ("8-bit P per query and tile, 11-bit V", 255, 1023, True, False),
@@ -137,24 +128,21 @@ def relative_l1(out: np.ndarray, exact: np.ndarray) -> float:
 
 
 def whole_scheme() -> None:
-    import torch
+    """The table of --whole-scheme: the accuracy report's shapes and inputs
+    (bench/int8_accuracy.py, the same as the accuracy test's)."""
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import int8_accuracy
     import npu_attn
     from npu_attn.attention import ops
 
     ops.INT8_MIN_SCORES = ops.INT8_MIN_KEYS = 0  # the int8 kernel on every shape, as the test
     print("| shape | the kernel | " + " | ".join(s[0] for s in WHOLE_SCHEME_PV) + " |")
     print("|---" * (len(WHOLE_SCHEME_PV) + 2) + "|")
-    for label, lq, lk, dim in WHOLE_SCHEME_SHAPES:
+    for label, lq, lk, dim in int8_accuracy.SHAPES:
         heads = 1 if dim >= 128 else 2
-        g = torch.Generator().manual_seed(0)  # the accuracy test's diffusion_like inputs
-        q = torch.randn(1, heads, lq, dim, generator=g)
-        k = torch.randn(1, heads, lk, dim, generator=g)
-        k = k + 10 * torch.randn(1, heads, 1, dim, generator=g)
-        v = torch.randn(1, heads, lk, dim, generator=g)
-        q[..., ::16] *= 8
+        q, k, v = int8_accuracy.diffusion_like(lq, lk, dim, heads)
         exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())[0].numpy()
         measured = npu_attn.scaled_dot_product_attention(q, k, v, backend="int8")[0].double()
 

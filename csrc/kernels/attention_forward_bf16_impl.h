@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include "attention_forward_impl.h"
+#include "bf16_pairs_impl.h"
 
 namespace npu_attn {
 namespace {
@@ -79,15 +80,6 @@ void pair_dot(const UnalignedWord* a, int64_t lda, const uint32_t* b, int64_t ld
     pair_dot_block<Layout, Accumulate, decltype(block_rows)::value, decltype(block_vecs)::value>(
         a + r * row_step, lda, b + v0 * kLanes, ldb, depth, c + r * ldc + v0 * kLanes, ldc);
   });
-}
-
-// Two float32 vectors -> one vector of bfloat16 pairs (lo[q], hi[q]) per lane, rounded to
-// nearest even (vcvtne2ps2bf16 puts lo in words 0-15 and hi in 16-31; vpermw interleaves).
-NPU_ATTN_VEC_INLINE __m512i pack_pairs(__m512 lo, __m512 hi) {
-  const __m512i interleave =
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 // S^T comes out of the products unscaled. An additive mask must be added to scaled scores, and

@@ -72,6 +72,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(NPU_ATTN_INT8_BF16_VALUES)
+#include "bf16_pairs_impl.h"
+#endif
 
 namespace npu_attn {
 namespace {
@@ -310,15 +313,9 @@ NPU_ATTN_VEC_INLINE IVec round_to_int(Vec x) {
 }
 
 #if defined(NPU_ATTN_INT8_BF16_VALUES)
-// Two float32 vectors -> one vector of bfloat16 pairs (lo[i] in the low half of word i, hi[i]
-// in the high half), rounded to nearest even (vcvtne2ps2bf16 puts lo in words 0-15 and hi in
-// 16-31; vpermw interleaves them): the operand layout of vdpbf16ps.
+// P's and V's bfloat16 pairs (pack_pairs, shared with the exact bfloat16 kernels).
 NPU_ATTN_VEC_INLINE UVec bf16_pairs(Vec lo, Vec hi) {
-  const __m512i interleave =
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return (UVec)_mm512_permutexvar_epi16(interleave,
-                                        (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+  return (UVec)pack_pairs((__m512)lo, (__m512)hi);
 }
 #endif
 
