@@ -3,6 +3,8 @@ recorded with their layouts, replayed alone with each kernel, and predict the ti
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from npu_attn.tools.attention_share import (
     prediction_markdown,
     record_attention_calls,
     step_predictions,
+    timed_attention_calls,
 )
 from tiny_accel_models import run, tiny_sd15_unet
 
@@ -50,6 +53,39 @@ def test_the_recorder_is_removed_when_the_step_fails():
     with pytest.raises(RuntimeError, match="boom"):
         record_attention_calls(failing_step)
     assert torch.nn.functional.scaled_dot_product_attention is before
+
+
+def test_attention_is_timed_inside_a_step_on_the_strategy_it_routes_to():
+    unet = tiny_sd15_unet()
+    npu_attn.set_attention_strategy(unet, "tiled")
+    run(unet)  # the routing shim is in place from here on
+    before = torch.nn.functional.scaled_dot_product_attention
+    counts_before = npu_attn.call_counts().get("tiled", 0)
+    with timed_attention_calls() as spent:
+        start = time.perf_counter()
+        run(unet)
+        step = time.perf_counter() - start
+    assert torch.nn.functional.scaled_dot_product_attention is before
+    # every call reached npu_attn's kernel through the timer, and took part of the step
+    assert npu_attn.call_counts()["tiled"] - counts_before == attention_modules(unet)
+    assert 0 < spent[0] < step
+    with timed_attention_calls() as untouched:
+        pass
+    assert untouched == [0.0]
+
+
+def test_the_timer_is_removed_when_the_step_fails():
+    before = torch.nn.functional.scaled_dot_product_attention
+    with pytest.raises(RuntimeError, match="boom"), timed_attention_calls():
+        raise RuntimeError("boom")
+    # what was there, or the routing shim the timer installs first
+    assert torch.nn.functional.scaled_dot_product_attention in (before, _shim())
+
+
+def _shim():
+    from npu_attn.integration import redirect
+
+    return redirect._shim
 
 
 def test_calls_with_a_mask_are_not_recorded():
@@ -108,4 +144,18 @@ def test_prediction_arithmetic_and_report(monkeypatch):
     text = prediction_markdown(tiled)
     assert "| **total** (32 calls) | 4.000 | 2.000 | 2.00x |" in text
     assert "Attention is 40% of the sdpa step" in text and "+5.0% against" in text
+    assert "in_step" not in tiled and "Timed inside" not in text  # no timings: no split
+
+    # with the attention timed inside the steps: each step splits into attention and the rest
+    timed = {"sdpa": 4.2, "tiled": 2.5, "int8": 1.1}
+    split = step_predictions(10.0, {"tiled": 8.4}, {"call": 32}, rounds=1, in_step=timed)
+    assert split["tiled"]["in_step"] == {
+        "sdpa": {"attention": 4.2, "rest": pytest.approx(5.8)},
+        "tiled": {"attention": 2.5, "rest": pytest.approx(5.9)},
+    }
+    assert (
+        "Timed inside the steps, the tiled step's attention took 2.50 s (2.00 s replayed "
+        "alone) and the rest of it 5.90 s; the sdpa step's attention 4.20 s (4.00 s replayed) "
+        "and the rest 5.80 s." in prediction_markdown(split["tiled"])
+    )
     assert "| sdpa s | int8 s |" in prediction_markdown(int8)

@@ -241,8 +241,18 @@ def test_step_benchmark_eager_rows_predict_the_tiled_and_int8_steps(tmp_path, ca
             ]
         )
         assert 0 < prediction["predicted_step"] <= prediction["sdpa_step"] * 10
+        # the measured steps split into their attention (timed inside) and the rest
+        split = prediction["in_step"]
+        assert list(split) == ["sdpa", strategy]
+        for name, step in (
+            ("sdpa", prediction["sdpa_step"]),
+            (strategy, prediction["measured_step"]),
+        ):
+            assert 0 < split[name]["attention"] < step
+            assert split[name]["rest"] == pytest.approx(step - split[name]["attention"])
     text = capsys.readouterr().out
     assert "| sdpa s | tiled s |" in text and "| sdpa s | int8 s |" in text
+    assert "Timed inside the steps, the int8 step's attention took" in text
 
 
 def test_the_heap_reuse_row_alone_runs_with_reuse_and_in_its_steady_state():

@@ -10,11 +10,16 @@ interleaved rounds, medians), and predicts each one's step from the ``sdpa`` ste
 
 A measured step close to the prediction says the speed-up reaches the step intact;
 one slower than predicted says something around the kernel costs time (layout copies,
-dispatch, cache effects of a long step on the other operators).
+dispatch, cache effects of a long step on the other operators). :func:`timed_attention_calls`
+tells those apart: it times the same calls inside the measured steps, so a miss splits into
+the attention calls themselves (slower in the step than replayed alone) and the rest of the
+step (slower next to one kernel than next to another).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -42,35 +47,72 @@ class RecordedCall:
         return f"B{b} {heads} Lq{lq} Lk{lk} D{d}{values}"
 
 
+@contextlib.contextmanager
+def _sdpa_wrapped(wrap: Callable[[Callable], Callable]):
+    """Within the block, ``torch.nn.functional.scaled_dot_product_attention`` is ``wrap`` of
+    the function found there (torch's, or npu_attn's routing shim); restored afterwards, also
+    on errors."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = wrap(original)
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
 def record_attention_calls(step: Callable[[], Any]) -> Counter:
     """The SDPA calls one run of ``step`` makes, counted by kind. Calls with a mask, dropout
     or other than 4-D tensors are left out (the diffusers UNets make none)."""
-    functional = torch.nn.functional
-    original = functional.scaled_dot_product_attention
     calls: Counter = Counter()
 
-    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
-        plain = attn_mask is None and dropout_p == 0.0 and set(kw) <= {"scale", "enable_gqa"}
-        if plain and query.dim() == key.dim() == value.dim() == 4:
-            tensors = (query, key, value)
-            calls[
-                RecordedCall(
-                    shapes=tuple(tuple(t.shape) for t in tensors),
-                    strides=tuple(t.stride() for t in tensors),
-                    dtype=query.dtype,
-                    is_causal=bool(is_causal),
-                    scale=kw.get("scale"),
-                    enable_gqa=bool(kw.get("enable_gqa", False)),
-                )
-            ] += 1
-        return original(query, key, value, attn_mask, dropout_p, is_causal, **kw)
+    def wrap(original):
+        def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+            plain = attn_mask is None and dropout_p == 0.0 and set(kw) <= {"scale", "enable_gqa"}
+            if plain and query.dim() == key.dim() == value.dim() == 4:
+                tensors = (query, key, value)
+                calls[
+                    RecordedCall(
+                        shapes=tuple(tuple(t.shape) for t in tensors),
+                        strides=tuple(t.stride() for t in tensors),
+                        dtype=query.dtype,
+                        is_causal=bool(is_causal),
+                        scale=kw.get("scale"),
+                        enable_gqa=bool(kw.get("enable_gqa", False)),
+                    )
+                ] += 1
+            return original(query, key, value, attn_mask, dropout_p, is_causal, **kw)
 
-    functional.scaled_dot_product_attention = recording
-    try:
+        return recording
+
+    with _sdpa_wrapped(wrap):
         step()
-    finally:
-        functional.scaled_dot_product_attention = original
     return calls
+
+
+@contextlib.contextmanager
+def timed_attention_calls():
+    """Within the block, the seconds spent in SDPA calls (whichever strategy a wrapped
+    processor routes them to) add up in the yielded one-element list. Eager steps only: a
+    compiled graph guards on the function and would recompile."""
+    from ..integration import redirect
+
+    # The routing shim goes in first, under the timer: installed later, it would replace it.
+    redirect.install()
+    spent = [0.0]
+
+    def wrap(original):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return timed
+
+    with _sdpa_wrapped(wrap):
+        yield spent
 
 
 def _tensors(call: RecordedCall, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -121,11 +163,17 @@ def predicted_step(sdpa_step: float, sdpa_attention: float, speedup: float) -> f
 
 
 def step_predictions(
-    sdpa_step: float, measured_steps: dict[str, float], calls: Counter, rounds: int = 5
+    sdpa_step: float,
+    measured_steps: dict[str, float],
+    calls: Counter,
+    rounds: int = 5,
+    in_step: Optional[dict[str, float]] = None,
 ) -> dict[str, dict[str, Any]]:
     """Per strategy of ``measured_steps`` (e.g. ``tiled``, ``int8``; their measured step
     seconds): the predicted step and how the measured one compares. One replay of the calls
-    times every strategy (interleaved with ``sdpa``)."""
+    times every strategy (interleaved with ``sdpa``). ``in_step``: the attention seconds timed
+    inside the measured steps (:func:`timed_attention_calls`) per strategy, ``sdpa`` included,
+    which split each step into its attention and the rest."""
     seconds = attention_seconds(calls, ("sdpa", *measured_steps), rounds=rounds)
     sdpa_attention = seconds["sdpa"]["total"]
     predictions = {}
@@ -143,7 +191,24 @@ def step_predictions(
             "measured_step": measured_step,
             "measured_vs_predicted": measured_step / predicted - 1.0,
         }
+        if in_step and "sdpa" in in_step and strategy in in_step:
+            steps = {"sdpa": sdpa_step, strategy: measured_step}
+            predictions[strategy]["in_step"] = {
+                s: {"attention": in_step[s], "rest": steps[s] - in_step[s]} for s in steps
+            }
     return predictions
+
+
+def _in_step_markdown(prediction: dict[str, Any]) -> str:
+    """The sentence that splits the measured steps into attention and the rest."""
+    strategy, replayed = prediction["strategy"], prediction["attention_seconds"]
+    ours, sdpa = prediction["in_step"][strategy], prediction["in_step"]["sdpa"]
+    return (
+        f"Timed inside the steps, the {strategy} step's attention took {ours['attention']:.2f} s "
+        f"({replayed[strategy]['total']:.2f} s replayed alone) and the rest of it "
+        f"{ours['rest']:.2f} s; the sdpa step's attention {sdpa['attention']:.2f} s "
+        f"({replayed['sdpa']['total']:.2f} s replayed) and the rest {sdpa['rest']:.2f} s."
+    )
 
 
 def prediction_markdown(prediction: dict[str, Any]) -> str:
@@ -165,4 +230,6 @@ def prediction_markdown(prediction: dict[str, Any]) -> str:
         f"{prediction['measured_step']:.2f} s "
         f"({prediction['measured_vs_predicted']:+.1%} against the prediction)."
     )
+    if "in_step" in prediction:
+        lines.append(_in_step_markdown(prediction))
     return "\n".join(lines)

@@ -24,7 +24,9 @@ interleaved after a warm-up (each round in an order balanced for which competito
 ``rounds.round_order``); compile and conversion times are reported separately; the table gives
 medians and ratios to the baseline and names the machine. Below it, the step's attention calls
 replayed alone with each kernel predict the ``eager tiled`` and ``eager int8`` steps from the
-``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the measured ones.
+``eager sdpa`` one (:mod:`npu_attn.tools.attention_share`), next to the measured ones; the
+eager steps also time their attention calls, so a step that misses its prediction shows whether
+its attention calls or the rest of it took the time.
 ``--configs eager`` runs the eager rows alone (no compiles).
 
 ``--images STEPS`` measures whole images instead (STEPS denoising steps + VAE decode of the
@@ -68,6 +70,9 @@ from .arguments import at_least, on_requested_threads
 
 BASELINE = "eager sdpa"
 INT8 = "eager int8 (lossy)"
+# The eager step competitors whose attention calls are timed inside the step, and the strategy
+# each one's attention runs.
+EAGER_STRATEGIES = {BASELINE: "sdpa", "eager tiled": "tiled", INT8: "int8"}
 CL = " + channels-last"
 FROZEN = " (frozen)"
 REUSE = " + heap reuse"
@@ -218,7 +223,7 @@ def run(args) -> dict:
     from ..graph.mode import compile as compile_components
     from ..runtime import controls as _runtime
     from ..runtime.extension import _C
-    from .attention_share import record_attention_calls, step_predictions
+    from .attention_share import record_attention_calls, step_predictions, timed_attention_calls
     from .bench_report import machine_info
     from .pipelines import vae_scale_factor
     from .rounds import round_order
@@ -275,12 +280,18 @@ def run(args) -> dict:
                 setup_seconds[name] = time.perf_counter() - start
         # Each round in an order balanced for the predecessor (rounds.round_order): a step's
         # time depends on the heap and caches the step before it left.
+        # The eager steps also time their attention calls (the split of step_predictions).
+        in_step: dict[str, list[float]] = {n: [] for n in names if n in EAGER_STRATEGIES}
         for round_index in tqdm(range(args.repeats), desc="interleaved rounds", unit="round"):
             for name in round_order(names, round_index):
                 _set_heap_reuse(name, runners[name])
-                start = time.perf_counter()
-                runners[name]()
-                times[name].append(time.perf_counter() - start)
+                timer = timed_attention_calls() if name in in_step else contextlib.nullcontext()
+                with timer as attention:
+                    start = time.perf_counter()
+                    runners[name]()
+                    times[name].append(time.perf_counter() - start)
+                if name in in_step:
+                    in_step[name].append(attention[0])
     finally:
         _set_heap_reuse("", None)
     medians = {n: statistics.median(t) for n, t in times.items()}
@@ -293,9 +304,10 @@ def run(args) -> dict:
         for s, name in (("tiled", "eager tiled"), ("int8", INT8))
         if name in medians
     }
+    in_step_medians = {EAGER_STRATEGIES[n]: statistics.median(t) for n, t in in_step.items()}
     if calls and measured:
         predictions = step_predictions(
-            medians[BASELINE], measured, calls, rounds=max(3, args.repeats)
+            medians[BASELINE], measured, calls, rounds=max(3, args.repeats), in_step=in_step_medians
         )
     return {
         "machine": machine_info(threads),
