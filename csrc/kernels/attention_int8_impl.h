@@ -264,7 +264,10 @@ Int8Plan plan_int8(const AttentionParams& p, int threads) {
   plan.v_codes = plan.v_rows;
   plan.v_stats = plan.v_codes + ceil_div(p.head_dim_v, kBlockRows) * kBlockRows * plan.key_pairs;
   s.pack_tiles = tiles;
-  s.pair_floats = plan.integer_values ? plan.v_stats + tiles * 2 * p.head_dim_v
+  // Value scales per key tile (tiles x 2 x head_dim_v) only for integer codes: bfloat16 pairs
+  // carry their own exponents.
+  const int64_t value_scale_floats = kBf16Values ? 0 : tiles * 2 * p.head_dim_v;
+  s.pair_floats = plan.integer_values ? plan.v_stats + value_scale_floats
                                       : plan.v_rows + packed_v_floats(p, plan.fp);
   s.pairs_per_chunk = pairs_per_pack_budget(p, s.pair_floats, kPackBudgetBytes);
   s.scratch_floats =
