@@ -94,7 +94,9 @@ def record_attention_calls(step: Callable[[], Any]) -> Counter:
 def timed_attention_calls():
     """Within the block, the seconds spent in SDPA calls (whichever strategy a wrapped
     processor routes them to) add up in the yielded one-element list. Eager steps only: a
-    compiled graph guards on the function and would recompile."""
+    compiled graph guards on the function and would recompile. The demo's timer
+    (``demo.time_attention``) wraps a strategy's runner instead, which diffusers' own
+    processors (the ``sdpa`` baseline here) never call: hence this hook on the function."""
     from ..integration import redirect
 
     # The routing shim goes in first, under the timer: installed later, it would replace it.
