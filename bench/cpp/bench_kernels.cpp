@@ -1,10 +1,14 @@
-// Micro-benchmarks of the tiled forward kernel, per ISA variant and element type, on diffusion
-// shapes, without Python in the way (the per-call cost of short shapes is visible here).
+// Micro-benchmarks of the tiled forward kernel and the lossy int8 one, per ISA variant and
+// element type, on diffusion shapes, without Python in the way (the per-call cost of short
+// shapes is visible here, and `perf record` sees the kernels' symbols).
 //   build/cpp/bench/cpp/npu_attn_bench_kernels --benchmark_filter='amx_bf16/bfloat16'
-// Reports GFLOP/s (4 * B * H * Lq * Lk * D flops per forward).
+//   build/cpp/bench/cpp/npu_attn_bench_kernels --benchmark_filter='^avx2/(int8-)?float32/b2h8'
+// Reports GFLOP/s (4 * B * H * Lq * Lk * D flops per forward; the int8 rows count the exact
+// kernel's flops, so their rates compare directly).
 #include <benchmark/benchmark.h>
 
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -31,8 +35,11 @@ struct ElementTraits<uint16_t> {
   static uint16_t from(float x) { return npu_attn::bfloat16_bits(x); }
 };
 
+// Which forward a benchmark runs: the exact tiled kernel or the lossy int8 one.
+enum class Kernel { kExact, kInt8 };
+
 template <typename T>
-void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s) {
+void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s, Kernel kernel) {
   if (!npu_attn::isa_supported_by_cpu(isa)) {
     state.SkipWithError("ISA not supported by this CPU");
     return;
@@ -61,12 +68,23 @@ void bench_forward(benchmark::State& state, npu_attn::Isa isa, Shape s) {
   args.num_threads = static_cast<int>(state.range(0));
   const npu_attn::AttentionParams params = npu_attn::make_attention_params(args);
   for (auto _ : state) {
-    npu_attn::run_attention_forward(params, isa);
+    if (kernel == Kernel::kInt8) {
+      npu_attn::run_attention_int8(params, isa);
+    } else {
+      npu_attn::run_attention_forward(params, isa);
+    }
     benchmark::DoNotOptimize(out.data());
   }
   const double flops = 4.0 * s.batch * s.heads * s.len_q * s.len_k * s.head_dim;
   state.counters["GFLOP/s"] =
       benchmark::Counter(flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+
+// The int8 kernel a variant runs ("" if none).
+std::string int8_kernel_name(npu_attn::Isa isa) {
+  const npu_attn::KernelVariant& variant = npu_attn::kernel_variant(isa);
+  return variant.int8_forward != nullptr && variant.int8_kernel != nullptr ? variant.int8_kernel
+                                                                           : "";
 }
 
 void register_all() {
@@ -79,21 +97,28 @@ void register_all() {
       {"sd15_self_64_d160", {2, 8, 64, 64, 160}},
       {"vae_mid_4096_d512", {1, 1, 4096, 4096, 512}},
   };
-  for (auto isa : npu_attn::runnable_isas()) {
+  const auto add = [](const std::string& name, auto* function, npu_attn::Isa isa, Shape shape,
+                      Kernel kernel) {
+    benchmark::RegisterBenchmark(name.c_str(), function, isa, shape, kernel)
+        ->Arg(1)
+        ->Arg(2)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+  };
+  const std::vector<npu_attn::Isa> isas = npu_attn::runnable_isas();
+  for (size_t i = 0; i < isas.size(); ++i) {
+    const npu_attn::Isa isa = isas[i];
+    const std::string label = std::string(npu_attn::isa_name(isa)) + "/";
+    // Rows whose int8 kernel the row before already runs are not repeated.
+    const std::string int8_kernel = int8_kernel_name(isa);
+    const bool own_int8 =
+        !int8_kernel.empty() && (i == 0 || int8_kernel != int8_kernel_name(isas[i - 1]));
     for (const auto& [name, shape] : shapes) {
-      const std::string label = std::string(npu_attn::isa_name(isa)) + "/";
-      benchmark::RegisterBenchmark((label + "float32/" + name).c_str(), bench_forward<float>, isa,
-                                   shape)
-          ->Arg(1)
-          ->Arg(2)
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime();
-      benchmark::RegisterBenchmark((label + "bfloat16/" + name).c_str(), bench_forward<uint16_t>,
-                                   isa, shape)
-          ->Arg(1)
-          ->Arg(2)
-          ->Unit(benchmark::kMicrosecond)
-          ->UseRealTime();
+      add(label + "float32/" + name, bench_forward<float>, isa, shape, Kernel::kExact);
+      add(label + "bfloat16/" + name, bench_forward<uint16_t>, isa, shape, Kernel::kExact);
+      if (!own_int8) continue;
+      add(label + "int8-float32/" + name, bench_forward<float>, isa, shape, Kernel::kInt8);
+      add(label + "int8-bfloat16/" + name, bench_forward<uint16_t>, isa, shape, Kernel::kInt8);
     }
   }
 }
