@@ -46,7 +46,11 @@ namespace {
 // functions (plan_tiled, plan_pairs) read these; change a tile plan there.
 
 // Keys per tile: the S^T tile (kKeyTile x kMaxQueryTile floats, 128 KiB; 256 KiB with the
-// streamed tiles below) stays in L2 next to the K and V rows it is computed from.
+// streamed tiles below) stays in L2 next to the K and V rows it is computed from. Over K panels
+// the tile is rounded down to whole panels (510 keys), which leaves a short last tile at the
+// common lengths (4096 keys: 8 x 510 + 16); tiles balanced over the keys instead (8 x 516)
+// took 0.997-1.014x the time with avx2 (Zen 4 with AVX-512 hidden, float32, 2 threads: SDXL
+// 64x64, SD3, Flux, VAE 512px), so the plain rule stays.
 constexpr int64_t kKeyTile = 512;
 // Queries per task: 64 amortise streaming K and V through the key loop...
 constexpr int64_t kMaxQueryTile = 64;
@@ -61,8 +65,10 @@ constexpr int64_t kMaxQueryTile = 64;
 // while on Sapphire Rapids with AVX-512 hidden (2 MiB L2, like recent Intel client P-cores)
 // the VAE mid-block at 1024px took 0.92x the time (bfloat16 inputs 0.91x, the int8 kernel
 // 0.95x; outputs bit-identical); a threshold of 8 MiB there made 512px 4% slower. 256-query
-// tiles at 1024px: 0.98x with avx2, 1.01x with avx512, not kept. Not with 128-bit vectors
-// (never measured).
+// tiles at 1024px: 0.98x with avx2, 1.01x with avx512, not kept. On Zen 4 with AVX-512 hidden
+// (1 MiB L2, float32), a threshold of 8 MiB gave the VAE at 512px 0.99x the time (bfloat16
+// inputs 0.97x), and 0.99-1.01x with 252- or 126-key tiles under the taller ones: within that
+// VM's run-to-run spread, so not kept. Not with 128-bit vectors (never measured).
 constexpr int64_t kStreamedQueryTile = 128;
 constexpr int64_t kStreamedKvBytes = int64_t{32} << 20;
 constexpr int64_t kStreamedTileMinL2 = int64_t{1} << 20;
