@@ -823,11 +823,13 @@ void quantize_probabilities(float* st, int64_t ld, int64_t keys, int64_t vecs) {
 // codes (one panel, six words per key pair) times the probability codes of Cols vectors of
 // queries (pw, one word row per key pair): 6 x Cols int32 accumulators, like the float32 6 x 2
 // register blocks. The accumulators are GCC vector types, not IReg: with __m256i arrays
-// GCC 12 kept half of them on the stack (46 instead of 77 GMAC/s in a micro-benchmark).
+// GCC 12 kept half of them on the stack (46 instead of 77 GMAC/s in a micro-benchmark). With
+// `prefetch_panel`, the next panel's words for the same key pairs are prefetched into L2 on the
+// way (as broadcast_fma_panels does for the float32 kernel).
 template <int Cols>
 NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_t* pw, int64_t ld,
                                            int64_t pairs, const float* scale, int64_t rows,
-                                           float* ot) {
+                                           float* ot, const AliasWord* prefetch_panel) {
 #if defined(NPU_ATTN_INT8_BF16_VALUES)
   if constexpr (kBf16Values) {  // the same block on bfloat16 pairs, float32 sums (no scales)
     (void)scale;
@@ -837,6 +839,8 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
 #pragma GCC unroll 4
       for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t jp = 0; jp < pairs; ++jp) {
+      if (prefetch_panel != nullptr && jp % 2 == 0)
+        __builtin_prefetch(prefetch_panel + jp * kBlockRows, 0, 2);
       __m512bh pv[Cols];
 #pragma GCC unroll 4
       for (int c = 0; c < Cols; ++c) pv[c] = (__m512bh)load_ireg(pw + jp * ld + c * kLanes);
@@ -862,6 +866,8 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
 #pragma GCC unroll 4
     for (int c = 0; c < Cols; ++c) acc[r][c] = IVec{};
   for (int64_t jp = 0; jp < pairs; ++jp) {
+    if (prefetch_panel != nullptr && jp % 2 == 0)
+      __builtin_prefetch(prefetch_panel + jp * kBlockRows, 0, 2);
     IReg pv[Cols];
 #pragma GCC unroll 4
     for (int c = 0; c < Cols; ++c) pv[c] = load_ireg(pw + jp * ld + c * kLanes);
@@ -910,6 +916,8 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
     for (int64_t g = 0; g * kBlockRows < dim; ++g) {
       const AliasWord* panel =
           codes + (g * plan.key_pairs + (k0 + j0) / kKeysPerValueWord) * kBlockRows;
+      const AliasWord* next_panel =
+          (g + 1) * kBlockRows < dim ? panel + plan.key_pairs * kBlockRows : nullptr;
       const int64_t rows = min_i64(kBlockRows, dim - g * kBlockRows);
       float scale[kBlockRows];
       for (int64_t r = 0; r < rows && !kBf16Values; ++r)
@@ -918,9 +926,10 @@ void accumulate_integer_values(const AttentionParams& p, const Int8Plan& plan,
       int64_t v = 0;
       for (; v + kValueBlockVecs <= tile.vecs; v += kValueBlockVecs)
         int16_value_block<kValueBlockVecs>(panel, pw + v * kLanes, ld, pairs, scale, rows,
-                                           ot + v * kLanes);
+                                           ot + v * kLanes, v == 0 ? next_panel : nullptr);
       for (; v < tile.vecs; ++v)
-        int16_value_block<1>(panel, pw + v * kLanes, ld, pairs, scale, rows, ot + v * kLanes);
+        int16_value_block<1>(panel, pw + v * kLanes, ld, pairs, scale, rows, ot + v * kLanes,
+                             v == 0 ? next_panel : nullptr);
     }
   }
 }
