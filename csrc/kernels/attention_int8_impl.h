@@ -839,8 +839,7 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
 #pragma GCC unroll 4
       for (int c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t jp = 0; jp < pairs; ++jp) {
-      if (prefetch_panel != nullptr && jp % 2 == 0)
-        __builtin_prefetch(prefetch_panel + jp * kBlockRows, 0, 2);
+      prefetch_next_panel(prefetch_panel, jp, kBlockRows);
       __m512bh pv[Cols];
 #pragma GCC unroll 4
       for (int c = 0; c < Cols; ++c) pv[c] = (__m512bh)load_ireg(pw + jp * ld + c * kLanes);
@@ -866,8 +865,7 @@ NPU_ATTN_VEC_INLINE void int16_value_block(const AliasWord* panel, const uint32_
 #pragma GCC unroll 4
     for (int c = 0; c < Cols; ++c) acc[r][c] = IVec{};
   for (int64_t jp = 0; jp < pairs; ++jp) {
-    if (prefetch_panel != nullptr && jp % 2 == 0)
-      __builtin_prefetch(prefetch_panel + jp * kBlockRows, 0, 2);
+    prefetch_next_panel(prefetch_panel, jp, kBlockRows);
     IReg pv[Cols];
 #pragma GCC unroll 4
     for (int c = 0; c < Cols; ++c) pv[c] = load_ireg(pw + jp * ld + c * kLanes);
