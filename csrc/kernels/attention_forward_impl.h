@@ -50,7 +50,10 @@ namespace {
 // the tile is rounded down to whole panels (510 keys), which leaves a short last tile at the
 // common lengths (4096 keys: 8 x 510 + 16); tiles balanced over the keys instead (8 x 516)
 // took 0.997-1.014x the time with avx2 (Zen 4 with AVX-512 hidden, float32, 2 threads: SDXL
-// 64x64, SD3, Flux, VAE 512px), so the plain rule stays.
+// 64x64, SD3, Flux, VAE 512px), so the plain rule stays. The softmax pass reads the tile from
+// L2 (perf: its time goes to waiting on those loads), but 256- and 128-key tiles, whose S^T
+// stays in L1 over panels, measured 0.98-1.02x and 1.00-1.04x the time there (head dims 40,
+// 64, 80, 512; bench_kernels, 2 threads), so 512 stays.
 constexpr int64_t kKeyTile = 512;
 // Queries per task: 64 amortise streaming K and V through the key loop...
 constexpr int64_t kMaxQueryTile = 64;
@@ -543,6 +546,39 @@ NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, i
   }
 }
 
+// Query vectors per pass of the exponentials over a key tile: the pass keeps two values per
+// vector (its shift and its running sum) in registers next to the exponentials' ten constants
+// and temporaries. With 16 registers (AVX2) and 4 or 8 vectors (32- and 64-query tiles) GCC
+// spilled sums and shifts to the stack, and their loop-carried add then went through a store
+// and a reload; two vectors (one 64-byte line of each S^T row) per pass fit. With 32 registers
+// one pass covers the tile.
+constexpr int kExpPassVecs = NPU_ATTN_VEC_REGISTERS >= 32 ? kTileQueryVecs : 2;
+
+// The exponentials of `Vecs` query vectors (lanes from `st`) over `keys` rows of S^T, in place:
+// P^T = 2^(S^T log2(e) - shift2), and their sums over the keys into sum.
+template <int Vecs>
+NPU_ATTN_VEC_INLINE void exp_pass(float* st, int64_t ld, int64_t keys, const Vec* shift2_in,
+                                  Vec* sum_out) {
+  const Vec log2e = splat(kLog2e);
+  Vec shift2[Vecs], sum[Vecs];
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) {
+    shift2[v] = shift2_in[v];
+    sum[v] = splat(0.0f);
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+#pragma GCC unroll 16
+    for (int v = 0; v < Vecs; ++v) {
+      float* s = st + j * ld + v * kLanes;
+      const Vec e = exp2_nonpositive(load(s) * log2e - shift2[v]);
+      store(s, e);
+      sum[v] += e;
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < Vecs; ++v) sum_out[v] = sum[v];
+}
+
 // Online softmax over one key tile of S^T, one lane per query, turning S^T into P^T in place
 // and rescaling the running O^T and sum by alpha = exp(m_old - m_new). Templated on the number
 // of query vectors so the per-vector state lives in registers.
@@ -553,19 +589,16 @@ template <int Vecs>
 void softmax_update(const AttentionParams& p, int64_t ld, int64_t keys, ThreadScratch& ws) {
   Vec shift[Vecs], sum[Vecs];
   softmax_rescale<Vecs, false>(p, ld, keys, ws.st, 1.0f, ws, shift, sum);
-  const Vec log2e = splat(kLog2e);
   Vec shift2[Vecs];
 #pragma GCC unroll 16
-  for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * log2e;
-  for (int64_t j = 0; j < keys; ++j) {
+  for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * splat(kLog2e);
+  constexpr int kPass = kExpPassVecs < Vecs ? kExpPassVecs : Vecs;
+  constexpr int kWhole = Vecs / kPass * kPass;
 #pragma GCC unroll 16
-    for (int v = 0; v < Vecs; ++v) {
-      float* s = ws.st + j * ld + v * kLanes;
-      const Vec e = exp2_nonpositive(load(s) * log2e - shift2[v]);
-      store(s, e);
-      sum[v] += e;
-    }
-  }
+  for (int v0 = 0; v0 < kWhole; v0 += kPass)
+    exp_pass<kPass>(ws.st + v0 * kLanes, ld, keys, shift2 + v0, sum + v0);
+  if constexpr (kWhole < Vecs)
+    exp_pass<Vecs - kWhole>(ws.st + kWhole * kLanes, ld, keys, shift2 + kWhole, sum + kWhole);
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v) store(ws.l + v * kLanes, load(ws.l + v * kLanes) + sum[v]);
 }

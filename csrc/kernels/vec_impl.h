@@ -15,8 +15,8 @@
 #include "../bfloat16.h"  // bfloat16_bits: the scalar rounding rule
 #include "../half.h"      // Half: IEEE binary16
 
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>  // F16C conversions; the intrinsics are always-inline, no symbols
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>  // F16C conversions, maxps; the intrinsics are always-inline, no symbols
 #endif
 #if defined(__aarch64__) && NPU_ATTN_VEC_BYTES == 16
 #include <arm_neon.h>  // fcvtl/fcvtn: a whole vector of float16 per instruction
@@ -97,30 +97,51 @@ NPU_ATTN_VEC_INLINE Vec exp_nonpositive(Vec x) {
   return x < lowest ? splat(0.0f) : times_pow2_rounded(p, t);
 }
 
+// max(lowest, t), keeping a NaN t: one maxps, which returns its second operand when either is
+// NaN. GCC compiles the same ternary against a constant vector as a compare and a blend with
+// AVX2 and as a compare and a masked move with AVX-512 (two operations, one more on the
+// exponentials' dependency chain).
+#pragma GCC diagnostic push  // GCC PR105593: _mm512_undefined_ps inside _mm512_max_ps
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+NPU_ATTN_VEC_INLINE Vec clamp_below(Vec t, Vec lowest) {
+#if defined(__AVX512F__) && NPU_ATTN_VEC_BYTES == 64
+  return _mm512_max_ps(lowest, t);
+#elif defined(__AVX__) && NPU_ATTN_VEC_BYTES == 32
+  return _mm256_max_ps(lowest, t);
+#else
+  return lowest > t ? lowest : t;
+#endif
+}
+#pragma GCC diagnostic pop
+
 // 2^t for t <= 0, the softmax's exponentials in base 2: exp(s - m) = 2^(s log2(e) - m log2(e)),
 // whose argument is one FMA per score, so the range reduction costs no multiplies: t = n + f
 // with n = round(t) (the magic constant, as above) and |f| <= 1/2, 2^f by a degree-5 fit, then
-// times 2^n. Max relative error 1.6e-7 (~1.4 ulp, measured over 2M points of [-126, 0]).
+// times 2^n. Max relative error 2.0e-7 (~1.7 ulp, measured over 2M points of [-126, 0]).
 // 2^n is built from the rounded value's bits with the exponent bias folded into the magic
 // constant: its low bits hold n + 127, an integer max clamps them at 0 (where 2^n would not be
 // normal) and a shift puts them in the exponent field, so 2^n is exactly 0.0f there. Results
 // below ~2^-126 are therefore exactly 0 (masked keys: t = -inf) without a compare and a blend,
-// and NaN stays NaN (NaN * 0). 6 operations on the FMA ports (the polynomial and the scaling)
+// and NaN stays NaN (NaN * 0). 7 operations on the FMA ports (the polynomial and the scaling)
 // plus the argument's FMA; the degree-6 fit with a compare and blend for the zeros took ~3%
 // longer per attention call on Zen 3 (float32, 17 model shapes, A/B in both orders).
+// The polynomial is evaluated by Estrin's scheme (three independent FMAs, then two on f^2):
+// 3 FMA latencies after f instead of Horner's 5, for one more multiply, so more exponentials
+// overlap in the out-of-order window. With the single maxps above and two-vector passes
+// (softmax_update's exp_pass), whole calls with avx2 (Zen 4 with AVX-512 hidden, 2 threads,
+// 17 model shapes, A/B of the builds) took 0.97-1.00x the time, geomean 0.988 in float32, 0.99
+// in the int8 kernel; avx512 1.00x.
 NPU_ATTN_VEC_INLINE Vec exp2_nonpositive(Vec t) {
-  const Vec lowest = splat(-150.0f);
-  const Vec tc = lowest > t ? lowest : t;  // one maxps; keeps NaN
+  const Vec tc = clamp_below(t, splat(-150.0f));
   const Vec round_magic = splat(12582912.0f + 127.0f);
   const Vec r = tc + round_magic;
   const Vec n = r - round_magic;
   const Vec f = tc - n;
-  Vec p = splat(1.3218672247603536e-3f);
-  p = p * f + splat(9.671698324382305e-3f);
-  p = p * f + splat(5.550893023610115e-2f);
-  p = p * f + splat(2.4022237956523895e-1f);
-  p = p * f + splat(6.931468844413757e-1f);
-  p = p * f + splat(1.0f);
+  const Vec f2 = f * f;
+  const Vec c45 = splat(1.3218672247603536e-3f) * f + splat(9.671698324382305e-3f);
+  const Vec c23 = splat(5.550893023610115e-2f) * f + splat(2.4022237956523895e-1f);
+  const Vec c01 = splat(6.931468844413757e-1f) * f + splat(1.0f);
+  const Vec p = (c45 * f2 + c23) * f2 + c01;
   // bits of 1.5 * 2^23 + n + 127; of 1.5 * 2^23 itself (0x4B400000) where n + 127 <= 0
   IVec biased;
   __builtin_memcpy(&biased, &r, sizeof(r));
