@@ -288,6 +288,41 @@ def test_broadcast_key_value_gradients_are_summed():
         assert max_err(ours.grad, theirs.grad) <= tol(theirs.grad, 1e-4)
 
 
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_dim",
+    [
+        ((2, 1, 5, 8), (2, 2, 0, 8), 8),  # no keys, heads broadcast: torch keeps the query's 1
+        ((2, 1, 5, 8), (2, 2, 0, 8), 4),
+        ((1, 2, 5, 8), (2, 2, 0, 8), 8),  # no keys, batch broadcast
+        ((5, 8), (2, 0, 8), 8),  # 2-D query against 3-D keys
+        ((1, 3, 1, 5, 8), (2, 1, 2, 0, 8), 8),  # 5-D
+        ((2, 1, 0, 8), (2, 2, 3, 8), 8),  # no queries
+        ((2, 1, 5, 8), (2, 2, 3, 8), 0),  # no value channels
+        ((2, 1, 5, 0), (2, 2, 3, 0), 4),  # head dim 0 with keys: torch broadcasts (uniform P)
+    ],
+)
+def test_empty_calls_with_broadcast_dims_have_torchs_shape(q_shape, k_shape, v_dim):
+    # torch 2.13 returns a call without keys, queries or value channels in the query's own
+    # leading dims; npu_attn returned the broadcast shape.
+    q = randn(*q_shape).requires_grad_()
+    k = randn(*k_shape).requires_grad_()
+    v = randn(*k_shape[:-1], v_dim).requires_grad_()
+    theirs = F.scaled_dot_product_attention(q, k, v)
+    out = sdpa(q, k, v)
+    assert out.shape == theirs.shape
+    assert max_err(out.detach(), theirs.detach()) <= 1e-6
+    out.sum().backward()  # gradients reach every input, in its own shape
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    if k_shape[-2] == 0:
+        assert not q.grad.any()  # the output is zeros whatever the query
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    assert sdpa(*arrays).shape == tuple(theirs.shape)
+    _, lse = sdpa(q.detach(), k.detach(), v.detach(), return_lse=True)
+    assert lse.shape == theirs.shape[:-1]
+    if k_shape[-2] == 0:
+        assert torch.isneginf(lse).all()  # no key: log of an empty sum
+
+
 # --------------------------------------------------------------------------- 6c. mask dtype
 def test_float32_mask_with_bfloat16_query_is_accepted_like_torch():
     q, k, v = (randn(2, 3, 40, 32).bfloat16() for _ in range(3))

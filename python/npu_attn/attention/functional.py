@@ -207,6 +207,11 @@ def _broadcast_plan(q_shape, k_shape, v_shape, mask_shape, enable_gqa) -> _Plan:
         if any(m not in (1, t) for m, t in zip(mask_padded, full)):
             raise ValueError(f"attn_mask of shape {ms} cannot be broadcast to {what} = {full}")
     lead = (batch + (hq,))[rank - max(len(qs), len(ks), len(vs)) :]
+    if 0 in (lq, lk, dv):
+        # torch 2.13 returns a call with no queries, keys or value channels in the query's own
+        # leading dims, not the broadcast ones (e.g. query (2, 1, 5, 8) with key and value
+        # (2, 2, 0, 8) gives (2, 1, 5, 8) of zeros); _shaped_like_torch narrows to them.
+        lead = qs[:-2]
     return _Plan(
         rank,
         (qp, kp, vp),
@@ -216,6 +221,17 @@ def _broadcast_plan(q_shape, k_shape, v_shape, mask_shape, enable_gqa) -> _Plan:
         lead + (lq, dv),
         lead + (lq,),
     )
+
+
+def _shaped_like_torch(x, plan: _Plan, tail: tuple, shape: tuple):
+    """The kernel's 4-D result ``x`` (the output, ``tail`` = (L_q, D_v), or the log-sum-exp,
+    (L_q,)) in ``shape``, the plan's shape for it. Where that keeps the query's own leading
+    dims although key and value broadcast them (calls without keys, _broadcast_plan), the
+    broadcast dims are narrowed to the query's size 1: every output there is the same zero."""
+    if math.prod(x.shape) != math.prod(shape):
+        x = x.reshape(plan.target[0][:-2] + tail)
+        x = x[tuple(slice(0, 1) if n == 1 else slice(None) for n in plan.padded[0][:-2])]
+    return x.reshape(shape)
 
 
 def _apply_plan(plan: _Plan, query, key, value, attn_mask, reshape, expand):
@@ -504,8 +520,8 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     else:
         out, lse = chosen.forward(call), None
     if tuple(out.shape) != plan.out:
-        out = out.reshape(plan.out)
-        lse = None if lse is None else lse.reshape(plan.lse)
+        out = _shaped_like_torch(out, plan, plan.out[-2:], plan.out)
+        lse = None if lse is None else _shaped_like_torch(lse, plan, plan.lse[-1:], plan.lse)
     if transform is None and not keep_layout and not out.is_contiguous():
         out = out.contiguous()  # torch returns a contiguous tensor for this call
     return (out, lse) if return_lse else out
@@ -565,8 +581,8 @@ def _numpy_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
         num_threads=_runtime.get_num_threads(),
     )
     if out.shape != plan.out:
-        out = out.reshape(plan.out)
-        lse = None if lse is None else lse.reshape(plan.lse)
+        out = _shaped_like_torch(out, plan, plan.out[-2:], plan.out)
+        lse = None if lse is None else _shaped_like_torch(lse, plan, plan.lse[-1:], plan.lse)
     return (out, lse) if return_lse else out
 
 
@@ -593,7 +609,9 @@ def scaled_dot_product_attention(
       latents (B, F, H, L, D) alike. As in torch, the leading dims broadcast against each
       other: a key/value batch (or head count) of 1 serves every query batch (or head), a
       3-D query with 4-D key/value gives a 4-D output; the output has the broadcast shape
-      (..., Hq, Lq, Dv). Extra batch dims are merged into one for the kernel (a view for the
+      (..., Hq, Lq, Dv), except that a call with no keys, queries or value channels keeps the
+      query's own leading dims (zeros where it has queries), as torch 2.13 returns it. Extra
+      batch dims are merged into one for the kernel (a view for the
       usual layouts; broadcast inputs whose strides cannot merge are copied). Any strides:
       (B, L, H, D) memory layouts are read without copies. Inputs of 1 dimension raise
       ``ValueError`` (torch raises too).
