@@ -555,15 +555,16 @@ NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, i
 constexpr int kExpPassVecs = NPU_ATTN_VEC_REGISTERS >= 32 ? kTileQueryVecs : 2;
 
 // The exponentials of `Vecs` query vectors (lanes from `st`) over `keys` rows of S^T, in place:
-// P^T = 2^(S^T log2(e) - shift2), and their sums over the keys into sum.
+// P^T = exp(S^T - shift) = 2^(S^T log2(e) - shift log2(e)), and their sums over the keys into
+// sum_out.
 template <int Vecs>
-NPU_ATTN_VEC_INLINE void exp_pass(float* st, int64_t ld, int64_t keys, const Vec* shift2_in,
+NPU_ATTN_VEC_INLINE void exp_pass(float* st, int64_t ld, int64_t keys, const Vec* shift,
                                   Vec* sum_out) {
   const Vec log2e = splat(kLog2e);
   Vec shift2[Vecs], sum[Vecs];
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v) {
-    shift2[v] = shift2_in[v];
+    shift2[v] = shift[v] * log2e;
     sum[v] = splat(0.0f);
   }
   for (int64_t j = 0; j < keys; ++j) {
@@ -589,16 +590,13 @@ template <int Vecs>
 void softmax_update(const AttentionParams& p, int64_t ld, int64_t keys, ThreadScratch& ws) {
   Vec shift[Vecs], sum[Vecs];
   softmax_rescale<Vecs, false>(p, ld, keys, ws.st, 1.0f, ws, shift, sum);
-  Vec shift2[Vecs];
-#pragma GCC unroll 16
-  for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * splat(kLog2e);
   constexpr int kPass = kExpPassVecs < Vecs ? kExpPassVecs : Vecs;
   constexpr int kWhole = Vecs / kPass * kPass;
 #pragma GCC unroll 16
   for (int v0 = 0; v0 < kWhole; v0 += kPass)
-    exp_pass<kPass>(ws.st + v0 * kLanes, ld, keys, shift2 + v0, sum + v0);
+    exp_pass<kPass>(ws.st + v0 * kLanes, ld, keys, shift + v0, sum + v0);
   if constexpr (kWhole < Vecs)
-    exp_pass<Vecs - kWhole>(ws.st + kWhole * kLanes, ld, keys, shift2 + kWhole, sum + kWhole);
+    exp_pass<Vecs - kWhole>(ws.st + kWhole * kLanes, ld, keys, shift + kWhole, sum + kWhole);
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v) store(ws.l + v * kLanes, load(ws.l + v * kLanes) + sum[v]);
 }

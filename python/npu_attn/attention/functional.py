@@ -223,15 +223,19 @@ def _broadcast_plan(q_shape, k_shape, v_shape, mask_shape, enable_gqa) -> _Plan:
     )
 
 
-def _shaped_like_torch(x, plan: _Plan, tail: tuple, shape: tuple):
-    """The kernel's 4-D result ``x`` (the output, ``tail`` = (L_q, D_v), or the log-sum-exp,
-    (L_q,)) in ``shape``, the plan's shape for it. Where that keeps the query's own leading
-    dims although key and value broadcast them (calls without keys, _broadcast_plan), the
-    broadcast dims are narrowed to the query's size 1: every output there is the same zero."""
-    if math.prod(x.shape) != math.prod(shape):
-        x = x.reshape(plan.target[0][:-2] + tail)
-        x = x[tuple(slice(0, 1) if n == 1 else slice(None) for n in plan.padded[0][:-2])]
-    return x.reshape(shape)
+def _shaped_like_torch(out, lse, plan: _Plan):
+    """The kernel's 4-D output and 3-D log-sum-exp (or None) in the plan's shapes for them.
+    Where those keep the query's own leading dims although key and value broadcast them (calls
+    without keys, _broadcast_plan), the broadcast dims are narrowed to the query's size 1:
+    every output there is the same zero."""
+
+    def fit(x, shape):
+        if math.prod(x.shape) != math.prod(shape):
+            x = x.reshape(plan.target[0][:-2] + tuple(x.shape[2:]))
+            x = x[tuple(slice(0, 1) if n == 1 else slice(None) for n in plan.padded[0][:-2])]
+        return x.reshape(shape)
+
+    return fit(out, plan.out), None if lse is None else fit(lse, plan.lse)
 
 
 def _apply_plan(plan: _Plan, query, key, value, attn_mask, reshape, expand):
@@ -520,8 +524,7 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     else:
         out, lse = chosen.forward(call), None
     if tuple(out.shape) != plan.out:
-        out = _shaped_like_torch(out, plan, plan.out[-2:], plan.out)
-        lse = None if lse is None else _shaped_like_torch(lse, plan, plan.lse[-1:], plan.lse)
+        out, lse = _shaped_like_torch(out, lse, plan)
     if transform is None and not keep_layout and not out.is_contiguous():
         out = out.contiguous()  # torch returns a contiguous tensor for this call
     return (out, lse) if return_lse else out
@@ -581,8 +584,7 @@ def _numpy_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
         num_threads=_runtime.get_num_threads(),
     )
     if out.shape != plan.out:
-        out = _shaped_like_torch(out, plan, plan.out[-2:], plan.out)
-        lse = None if lse is None else _shaped_like_torch(lse, plan, plan.lse[-1:], plan.lse)
+        out, lse = _shaped_like_torch(out, lse, plan)
     return (out, lse) if return_lse else out
 
 
