@@ -439,13 +439,13 @@ AmxUnit next_unit(const AmxPlan& a, const AmxScratch& ws, int64_t subs, int64_t 
 // The softmax's first half for one unit: the block's row maxima, the new running max, l scaled
 // by alpha = exp(m_old - m_new), and alpha kept for O^T (applied later, see AmxSubTile). Where
 // no lane's maximum moved alpha is exactly 1 and O^T is left alone (bit-identical).
-// Returns shift * log2(e) per query vector, for the exponentials.
+// Returns the shift per query vector, for the exponentials.
 // This is softmax_rescale's running-max update without its O^T pass. Calling softmax_rescale
 // with a "deferred" switch instead was tried: bit-identical results, the other kernels' object
 // code unchanged, but the AMX kernel 5-6% slower on self-attention (two A/B runs, both orders),
 // so the few lines are kept here.
 NPU_ATTN_VEC_INLINE void softmax_max_deferred(int64_t keys, const float* st, float score_scale,
-                                              AmxSubTile& s, Vec (&shift2)[2]) {
+                                              AmxSubTile& s, Vec (&shift)[2]) {
   constexpr int64_t ld = kAmxBlockQ;
   Vec m_tile[2] = {splat(kNegInf), splat(kNegInf)};
   for (int64_t j = 0; j < keys; ++j)
@@ -458,13 +458,12 @@ NPU_ATTN_VEC_INLINE void softmax_max_deferred(int64_t keys, const float* st, flo
     const Vec m_new = m_tile[v] > m_old ? m_tile[v] : m_old;
     // Queries whose keys are all masked so far keep m = -inf; shifting by 0 keeps their
     // probabilities exactly 0 (exp(-inf)) instead of NaN (exp(-inf - -inf)).
-    const Vec shift = m_new == kNegInf ? splat(0.0f) : m_new;
-    const Vec alpha = exp_nonpositive(m_old - shift);
+    shift[v] = m_new == kNegInf ? splat(0.0f) : m_new;
+    const Vec alpha = exp_nonpositive(m_old - shift[v]);
     store(s.f32.m + v * kLanes, m_new);
     store(s.f32.l + v * kLanes, load(s.f32.l + v * kLanes) * alpha);
     store(s.alpha + v * kLanes, alpha);
     moved |= any_lane_differs(m_new, m_old);
-    shift2[v] = shift * splat(kLog2e);
   }
   s.rescale_pending = moved;
 }
@@ -579,8 +578,11 @@ void run_amx_task(const AttentionParams& p, const AmxPlan& a, const AmxOperands&
     exp.pp = ws.pp[buf];
     exp.keys = cur.keys;
     const float rest_scale = prepare_scores(p, s, cur, ws.st[buf]);
-    softmax_max_deferred(cur.keys, exp.st, rest_scale, s, exp.shift2);
-    exp.factor = splat(rest_scale * kLog2e);
+    Vec shift[2];
+    softmax_max_deferred(cur.keys, exp.st, rest_scale, s, shift);
+    const float exp_scale = shift_huge_scores(ws.st[buf], kAmxBlockQ, cur.keys, rest_scale, shift);
+    for (int v = 0; v < 2; ++v) exp.shift2[v] = shift[v] * splat(kLog2e);
+    exp.factor = splat(exp_scale * kLog2e);
     // The exponentials in even portions between the steps of the next unit's scores and the
     // previous unit's value product; what is left (no products to hide behind) after them.
     const int64_t steps = score_steps(a, next) + value_steps(a, prev);

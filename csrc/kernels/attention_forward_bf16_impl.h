@@ -380,8 +380,9 @@ void softmax_update_pairs(const AttentionParams& p, const PairLayout& l, int64_t
   const float* st = ws.f32.st;
   Vec shift[Vecs], sum[Vecs];
   softmax_rescale<Vecs, true>(p, ld, keys, st, score_scale, ws.f32, shift, sum);
+  const float exp_scale = shift_huge_scores(ws.f32.st, ld, keys, score_scale, shift);
   // exp(s * scale - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one FMA per score.
-  const Vec factor = splat(score_scale * kLog2e);
+  const Vec factor = splat(exp_scale * kLog2e);
   Vec shift2[Vecs];
 #pragma GCC unroll 4
   for (int v = 0; v < Vecs; ++v) shift2[v] = shift[v] * splat(kLog2e);

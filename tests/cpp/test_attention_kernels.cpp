@@ -1,6 +1,7 @@
 // Tiled kernels vs the reference implementation, for every ISA variant this CPU can run.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -23,6 +24,23 @@ struct ForwardReference {
 
 // Runs `isa` on the problem of `c` and checks it against `ref`, the reference of the same
 // problem in any layout (fill_normal fills logical order); computes it first if `ref` is empty.
+// pr's output and lse against the reference's: fp32 accumulation against double, so relative
+// `rel_tol` of the output's magnitude, and of each lse.
+void expect_close_to_reference(const Problem& pr, const ForwardReference& ref, double rel_tol) {
+  const double tol = rel_tol * std::max(1.0, max_abs(ref.out));
+  EXPECT_LE(max_abs_diff(pr.out, ref.out), tol);
+  double lse_err = 0;
+  for (size_t i = 0; i < pr.lse.storage.size(); ++i) {
+    const float a = pr.lse.storage[i], b = ref.lse.storage[i];
+    if (std::isinf(b)) {
+      EXPECT_EQ(a, b) << "lse at " << i;
+    } else {
+      lse_err = std::max(lse_err, std::fabs(double(a) - b) / std::max(1.0, std::fabs(double(b))));
+    }
+  }
+  EXPECT_LE(lse_err, 1e-5);
+}
+
 void expect_matches(const Case& c, Isa isa, std::optional<ForwardReference>& ref, uint32_t seed,
                     double rel_tol) {
   SCOPED_TRACE(c.describe() + " isa=" + isa_name(isa));
@@ -35,20 +53,7 @@ void expect_matches(const Case& c, Isa isa, std::optional<ForwardReference>& ref
     compute_reference(pr);
     ref = ForwardReference{pr.ref_out, pr.ref_lse};
   }
-
-  // fp32 accumulation vs double reference: relative 1e-5 of the output's magnitude.
-  const double tol = rel_tol * std::max(1.0, max_abs(ref->out));
-  EXPECT_LE(max_abs_diff(pr.out, ref->out), tol);
-  double lse_err = 0;
-  for (size_t i = 0; i < pr.lse.storage.size(); ++i) {
-    const float a = pr.lse.storage[i], b = ref->lse.storage[i];
-    if (std::isinf(b)) {
-      EXPECT_EQ(a, b) << "lse at " << i;
-    } else {
-      lse_err = std::max(lse_err, std::fabs(double(a) - b) / std::max(1.0, std::fabs(double(b))));
-    }
-  }
-  EXPECT_LE(lse_err, 1e-5);
+  expect_close_to_reference(pr, *ref, rel_tol);
 }
 
 // Runs `isa` and the reference on the same problem and compares their outputs and lse.
@@ -173,6 +178,40 @@ TEST_P(EveryIsa, LargeLogitsDoNotOverflow) {
   expect_matches_reference(c, GetParam(), 1, 1e-3);
   c.mask = MaskCase::kAdditiveFull;
   expect_matches_reference(c, GetParam(), 1, 1e-3);
+}
+
+TEST_P(EveryIsa, HugeScoresKeepTheirSoftmax) {
+  // Scores ~1e10, from huge inputs or a huge scale: beyond the exponentials' fused argument
+  // (kFusedShiftLimit), whose rounded shift would move P by 2^(+-860). The top key of each row
+  // leads the next by far more than the scores' float32 rounding (~1e10 * 2^-24), so the
+  // softmax is one-hot and the output well defined.
+  Case c{1, 2, 2, 40, 70, 64, 64};
+  c.input_scale = 1e10f;
+  expect_matches_reference(c, GetParam());
+  c.mask = MaskCase::kAdditiveFull;
+  c.causal = true;
+  expect_matches_reference(c, GetParam());
+  c = Case{1, 2, 2, 40, 70, 64, 64};
+  c.softmax_scale = 1e9;
+  expect_matches_reference(c, GetParam());
+}
+
+TEST_P(EveryIsa, MinFloatMaskRowsMatchTheReference) {
+  // A float mask of torch.finfo(float32).min on padding keys, as transformers builds them.
+  // Rows 0, 3, 6, ... hide every key: their scores all round to -FLT_MAX (in double as well), so
+  // their softmax is uniform and the output the mean of the values, as torch returns it; in the
+  // other rows every fourth key is hidden (weight 0).
+  const Case c{1, 2, 2, 40, 70, 32, 32, Layout::kBHSD, MaskCase::kAdditiveFull};
+  Problem pr;
+  build(c, pr, 5);
+  for (int64_t h = 0; h < c.heads_q; ++h)
+    for (int64_t i = 0; i < c.len_q; ++i)
+      for (int64_t j = 0; j < c.len_k; ++j)
+        if (i % 3 == 0 || j % 4 == 0) pr.additive.at({0, h, i, j}) = -FLT_MAX;
+  run_attention_forward(make_attention_params(pr.args), GetParam());
+  compute_reference(pr);
+  expect_close_to_reference(pr, ForwardReference{pr.ref_out, pr.ref_lse}, 1e-5);
+  EXPECT_NEAR(pr.out.at({0, 1, 3, 5}), pr.ref_out.at({0, 1, 3, 5}), 1e-5);
 }
 
 TEST_P(EveryIsa, FullyMaskedRowsGiveZeroAndMinusInfLse) {

@@ -2,11 +2,13 @@
 // and must agree with the double-precision reference given the same 16-bit inputs.
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "amx_emulated.h"
 #include "attention.h"
@@ -290,6 +292,37 @@ void expect_masked_rows_and_nan_handled(const ForwardKernel& kernel, const std::
   }
 }
 
+// Scores beyond the exponentials' fused argument (kFusedShiftLimit: a scale of 1e9), and rows
+// of a torch.finfo(float32).min mask that hide every key (uniform softmax: the mean of the
+// values), in bfloat16 and float16 (see EveryIsa.HugeScoresKeepTheirSoftmax and
+// MinFloatMaskRowsMatchTheReference for the float32 kernels).
+void expect_extreme_scores_handled(const ForwardKernel& kernel, const std::string& name,
+                                   const std::vector<DType>& dtypes) {
+  for (DType dtype : dtypes) {
+    for (int variant = 0; variant < 2; ++variant) {
+      SCOPED_TRACE(name + (dtype == DType::kBFloat16 ? " bfloat16" : " float16") +
+                   (variant ? " min-float mask" : " scale 1e9"));
+      Case c{1, 2, 2, 40, 70, 32, 32, Layout::kBHSD, MaskCase::kAdditiveFull};
+      if (variant == 0) c.softmax_scale = 1e9;
+      Problem pr;
+      build(c, pr, 5);
+      if (variant == 1) {
+        for (int64_t h = 0; h < c.heads_q; ++h)
+          for (int64_t i = 0; i < c.len_q; ++i)
+            for (int64_t j = 0; j < c.len_k; ++j)
+              if (i % 3 == 0 || j % 4 == 0) pr.additive.at({0, h, i, j}) = -FLT_MAX;
+      }
+      HalfForward f;
+      expect_forward_matches_reference(pr, dtype, kernel, f);
+    }
+  }
+}
+
+TEST_P(LowPrecision, ExtremeScoresMatchTheReference) {
+  expect_extreme_scores_handled(variant_forward(GetParam()), isa_name(GetParam()),
+                                {DType::kBFloat16, DType::kFloat16});
+}
+
 TEST_P(LowPrecision, EmptyKeysGiveZerosInBfloat16) {
   expect_empty_keys_give_zeros(variant_forward(GetParam()));
 }
@@ -346,6 +379,7 @@ TEST_F(EmulatedAmx, ForwardAndBackwardMatchTheReferenceInBfloat16) {
 TEST_F(EmulatedAmx, EmptyKeysMaskedRowsAndNan) {
   expect_empty_keys_give_zeros(kernel_);
   expect_masked_rows_and_nan_handled(kernel_, "emulated AMX");
+  expect_extreme_scores_handled(kernel_, "emulated AMX", {DType::kBFloat16});
 }
 
 // On an AMX machine: the emulation computes what the tile unit computes (up to the order of

@@ -222,6 +222,39 @@ def test_large_logits_do_not_overflow():
     assert max_err(ours, ref) <= 2 * max_err(theirs, ref) + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", [None, "tiled"])
+def test_min_float_padding_masks_match_torch(dtype, backend):
+    # transformers builds padding masks from torch.finfo(float32).min: a row that hides every
+    # key sees equal scores (each rounds to -FLT_MAX), so torch averages the values there; in
+    # the other rows the hidden keys get weight 0. Row 1 hides all keys, row 3 every other one.
+    q, k, v = (torch.randn(2, 3, n, 40).to(dtype) for n in (7, 9, 9))
+    mask = torch.zeros(7, 9)
+    mask[1] = torch.finfo(torch.float32).min
+    mask[3, ::2] = torch.finfo(torch.float32).min
+    ours, lse = npu_attn.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, backend=backend, return_lse=True
+    )
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.isfinite(ours).all() and torch.isfinite(lse).all()
+    ref = reference_sdpa(q, k, v, mask)
+    assert max_err(ours, ref) <= 2 * max_err(theirs, ref) + 1e-6
+    assert torch.allclose(ours[:, :, 1].double(), v.double().mean(-2), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1e7, 1e9, 1e10])
+def test_huge_scores_match_torch(dtype, scale):
+    # Scores up to ~1e11 (a huge scale): the top key of each row leads by far more than the
+    # scores' rounding, so the softmax is one-hot and torch's result exact. The kernels' fused
+    # exponential argument would move such rows by 2^(+-1000) (kFusedShiftLimit).
+    q, k, v = (torch.randn(1, 2, n, 16).to(dtype) for n in (8, 70, 70))
+    ours = npu_attn.scaled_dot_product_attention(q, k, v, scale=scale)
+    theirs = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert torch.isfinite(ours).all()
+    assert max_err(ours, theirs) <= 1e-6
+
+
 def test_lse_matches_logsumexp_of_scores():
     q, k, v = torch.randn(2, 3, 40, 24), torch.randn(2, 3, 55, 24), torch.randn(2, 3, 55, 24)
     mask = torch.randn(2, 1, 40, 55)
