@@ -72,6 +72,8 @@ BAD_CALLS = [
     ("is_causal type", lambda: sdpa(q0, k0, v0, is_causal=None), TypeError, "is_causal"),
     ("query type", lambda: sdpa([1.0], k0, v0), TypeError, "query must be a torch.Tensor"),
     ("mixed types", lambda: sdpa(q0, k0.numpy(), v0), TypeError, "key must be a torch.Tensor"),
+    ("key None", lambda: sdpa(q0, None, v0), TypeError, "key must be a torch.Tensor"),
+    ("value None", lambda: sdpa(q0, k0, None), TypeError, "value must be a torch.Tensor"),
     ("numpy float64", lambda: sdpa(*(t.double().numpy() for t in qkv())), TypeError, "float32"),
     ("device mix", lambda: sdpa(q0.to("meta"), k0, v0), ValueError, "one device"),
 ]

@@ -153,6 +153,20 @@ def test_negative_scale_is_torch_semantics(backend, dtype, masking):
         assert out.transpose(1, 2).is_contiguous()  # still torch's flash layout
 
 
+@pytest.mark.parametrize("strategy", ["vanilla", "sdpa", "tiled", "auto"])
+def test_negative_scale_with_causal_in_every_strategy(strategy, tmp_path, monkeypatch):
+    # What set_attention_strategy installs gets SDPA's positional arguments straight from
+    # diffusers, without the public function's negation: torch's own kernel would turn the
+    # causal -inf into +inf there (NaN outputs), so the sdpa backend folds the causal mask.
+    from npu_attn.attention import strategies
+
+    monkeypatch.setenv("NPU_ATTN_CACHE_DIR", str(tmp_path))
+    q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24), randn(1, 2, 40, 24)
+    out = strategies.RUNNERS[strategy](q, k, v, None, 0.0, True, -0.8)
+    ref = reference_sdpa(q, k, v, is_causal=True, scale=-0.8)
+    assert max_err(out, ref) <= tol(ref)
+
+
 @pytest.mark.parametrize("backend", [None, "tiled", "sdpa", "vanilla"])
 def test_negative_scale_has_exact_gradients_and_lse(backend):
     q, k, v = (
@@ -171,6 +185,17 @@ def test_negative_scale_has_exact_gradients_and_lse(backend):
             _, lse = sdpa(q, k, v, scale=-1.3, backend=backend, return_lse=True)
         scores = -1.3 * q64.detach() @ k64.detach().transpose(-1, -2)
         assert max_err(lse, torch.logsumexp(scores, -1)) <= 1e-5
+
+
+def test_zero_dim_tensor_scale_and_dropout_like_torch():
+    q, k, v = randn(1, 2, 6, 8), randn(1, 2, 7, 8), randn(1, 2, 7, 8)
+    theirs = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=torch.tensor(0.0), scale=torch.tensor(0.3)
+    )
+    ours = sdpa(q, k, v, dropout_p=torch.tensor(0.0), scale=torch.tensor(0.3, dtype=torch.float64))
+    assert max_err(ours, theirs) <= 1e-6
+    with pytest.raises(TypeError, match="scale must be a float or a 0-d real tensor"):
+        sdpa(q, k, v, scale=torch.tensor([0.3, 0.4]))
 
 
 def test_negative_scale_with_numpy_inputs():
@@ -389,6 +414,9 @@ def test_output_is_viewable_wherever_torchs_is(dtype):
         "bshd-kv-broadcast": [bshd[0], bshd[1][:1], bshd[2][:1]],
         "bshd": bshd,
         "bshd-mask": [*bshd, torch.rand(30, 30) > 0.2],
+        # a query expanded over heads (stride 0): torch's output is contiguous
+        "expanded-heads": [bhsd[0][:, :1].expand(2, 3, 30, 16), *bhsd[1:]],
+        "expanded-heads-one-query": [bhsd[0][:, :1, :1].expand(2, 3, 1, 16), *bhsd[1:]],
     }
     for name, args in cases.items():
         theirs = F.scaled_dot_product_attention(*args)

@@ -83,6 +83,20 @@ def _check_common(dropout_p: float, is_causal: bool, scale: Optional[float], ena
             raise ValueError(f"scale must be a finite number, got {scale}")
 
 
+def _scalar_argument(name: str, x):
+    """A 0-d torch tensor passed as ``scale`` or ``dropout_p`` as a Python float, as torch's
+    SDPA accepts one (its argument parser converts 0-d tensors to numbers); anything else as
+    it is, for :func:`_check_common`."""
+    if not _is_torch_tensor(x):
+        return x
+    if x.dim() != 0 or x.is_complex() or x.dtype == _torch().bool:
+        raise TypeError(
+            f"{name} must be a float or a 0-d real tensor, got a {x.dtype} tensor of shape "
+            f"{tuple(x.shape)}"
+        )
+    return float(x.item())
+
+
 def _backend_name(backend) -> Optional[str]:
     """``backend=`` as the registry names it: like strategy names, any case and surrounding
     spaces (``"Tiled"``); anything but a string or None is a TypeError."""
@@ -367,7 +381,8 @@ def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool
 
     torch's CPU flash kernel lays its output out like the query; every other path (3-D or 5-D
     inputs, broadcast batch or heads, D != Dv, a last dim with stride != 1, a 3-D mask or one
-    that requires grad, empty sequences, flash disabled) returns a contiguous tensor. Where
+    that requires grad, empty sequences, flash disabled) returns a contiguous tensor, and so
+    does the flash kernel for a query expanded over heads (stride 0). Where
     this says False npu_attn returns a contiguous output too; where torch's choice is unclear
     it says False, so npu_attn's output is viewable whenever torch's is."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -388,6 +403,8 @@ def _flash_keeps_query_layout(torch, query, key, value, same_head_dims: bool) ->
     grad): whether the query is stored (B, L, H, D) and the kernel's output would be too.
     The fast path has checked the rest already."""
     if query.stride(1) >= query.stride(2):  # heads outside the sequence: torch's is viewable
+        return False
+    if query.stride(1) == 0 and query.shape[1] > 1:  # heads expanded: torch's is contiguous
         return False
     if not same_head_dims:
         return False
@@ -466,6 +483,9 @@ def _fast_cpu_call(torch, query, key, value, is_causal, scale, enable_gqa, retur
 
 def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_lse, backend):
     torch = _torch()
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor like query, got {type(t).__name__}")
     if attn_mask is None:
         fast = _fast_cpu_call(
             torch, query, key, value, is_causal, scale, enable_gqa, return_lse, backend
@@ -475,9 +495,6 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     _, registry = _torch_modules()
     from .backends.base import AttentionCall
 
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor like query, got {type(t).__name__}")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
@@ -630,19 +647,24 @@ def scaled_dot_product_attention(
       ``is_causal`` averages the values each query sees on every backend (torch 2.13's CPU
       kernel returns NaN there).
     - ``enable_gqa``: allow Hq to be a multiple of Hkv (grouped-query attention).
-    - ``dropout_p`` must be 0.0 (inference kernel).
+    - ``dropout_p`` must be 0.0 (inference kernel). ``scale`` and ``dropout_p`` may be 0-d
+      tensors, as torch accepts them.
     - Inside ``torch.autocast(device, dtype)`` the inputs are cast as torch's autocast casts
       them (every floating tensor but float64, the mask included, to ``dtype``): float32 inputs
       under bfloat16 autocast give a bfloat16 output, as torch's SDPA does.
     - Output layout, as torch 2.13's CPU SDPA lays it out: where torch runs its flash kernel
       (4-D inputs of one batch size, equal heads or GQA, D == Dv, last dims of stride 1, no 3-D
       mask and no mask that requires grad) and the query is stored (B, L, H, D), as diffusers
-      passes it, the output is stored (B, L, H, Dv) too and
+      passes it (not expanded over heads), the output is stored (B, L, H, Dv) too and
       ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is free; every other output is contiguous,
       so ``out.view(-1)`` works wherever it works on torch's output.
 
-    Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does. NaN and Inf
-    in the inputs propagate as in the math reference.
+    Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does; rows that a
+    float mask of ``torch.finfo(dtype).min`` hides entirely (as transformers builds padding
+    masks) see equal scores and average the values, as in torch. NaN and Inf in the inputs
+    propagate as in the math reference, except that with ``is_causal`` the keys a query cannot
+    see never enter its computation (its output stays finite where only those keys' values are
+    not; torch's kernel turns 0 x Inf into NaN for them on short sequences).
 
     Torch tensors on any device are routed to the first backend that can take the call
     (see :func:`npu_attn.backends`): CPU tensors to npu_attn's tiled kernels (float32,
@@ -677,6 +699,10 @@ def scaled_dot_product_attention(
         NotImplementedError: an explicit ``backend="tiled"`` / ``"npu"`` under a torch.func
             transform or forward-mode AD.
     """
+    if scale is not None and type(scale) is not float:
+        scale = _scalar_argument("scale", scale)
+    if type(dropout_p) is not float:
+        dropout_p = _scalar_argument("dropout_p", dropout_p)
     _check_common(dropout_p, is_causal, scale, enable_gqa)
     backend = _backend_name(backend)
     query, scale = nonnegative_scale(query, scale)

@@ -50,11 +50,12 @@ def fold_causal(
 def torch_mask_args(mask, is_causal, scale, len_q, len_k, dtype, device):
     """(attn_mask, is_causal) as torch's SDPA takes them with npu_attn's semantics: a float
     mask in the query's dtype, and causal folded into a mask when a mask is given too, or
-    when ``scale`` is 0: torch 2.13's CPU kernels scale the scores after the causal mask, so
-    0 * -inf turns every output into NaN (a mask is added after the scale)."""
+    when ``scale`` is 0 or negative: torch 2.13's CPU kernels scale the scores after the causal
+    mask, so 0 * -inf turns every output into NaN and a negative scale turns the hidden keys'
+    -inf into +inf (a mask is added after the scale)."""
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)  # e.g. a float32 mask with 16-bit or float64 inputs
-    if is_causal and (mask is not None or scale == 0):
+    if is_causal and (mask is not None or (scale is not None and scale <= 0)):
         mask, is_causal = fold_causal(mask, len_q, len_k, device), False
     return mask, is_causal
 
