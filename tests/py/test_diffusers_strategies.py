@@ -178,6 +178,14 @@ def test_tiny_stable_diffusion_pipeline_matches_and_resets():
     assert abs(generate() - reference).max() == 0
 
 
+def test_auto_never_picks_vanilla_for_16_bit_inputs():
+    # vanilla rounds 16-bit scores before the softmax: far less accurate than sdpa or tiled.
+    q, k = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    assert "vanilla" in AutoSelector.candidates(q, k)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert AutoSelector.candidates(q.to(dtype), k.to(dtype)) == ["tiled", "sdpa"]
+
+
 def test_auto_measures_once_and_reuses_the_cached_choice(caplog):
     unet = tiny_unet()
     assert npu_attn.set_attention_strategy(unet, "auto") == "auto"

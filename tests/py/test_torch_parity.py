@@ -187,6 +187,25 @@ def test_negative_scale_has_exact_gradients_and_lse(backend):
         assert max_err(lse, torch.logsumexp(scores, -1)) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, gqa",
+    [
+        ((1, 2, 5, 8), (0, 2, 6, 8), False),
+        ((2, 1, 5, 8), (2, 0, 6, 8), False),
+        ((2, 4, 5, 8), (2, 0, 6, 8), False),
+        ((2, 4, 5, 8), (2, 0, 6, 8), True),
+        ((5, 8), (0, 6, 8), False),
+    ],
+)
+def test_values_with_a_zero_batch_give_zeros_in_the_querys_shape(q_shape, kv_shape, gqa):
+    q, k, v = randn(*q_shape), randn(*kv_shape), randn(*kv_shape)
+    theirs = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    ours = sdpa(q, k, v, enable_gqa=gqa)
+    assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+    arrays = sdpa(q.numpy(), k.numpy(), v.numpy(), enable_gqa=gqa)
+    assert arrays.shape == theirs.shape and not arrays.any()
+
+
 def test_zero_dim_tensor_scale_and_dropout_like_torch():
     q, k, v = randn(1, 2, 6, 8), randn(1, 2, 7, 8), randn(1, 2, 7, 8)
     theirs = F.scaled_dot_product_attention(

@@ -1,7 +1,8 @@
 """``auto``: the fastest strategy per attention shape on CPU, measured once and cached.
 
 The first call with a new shape (batch, heads, lengths, head dims, dtype, mask kind, causal)
-times the candidates (``tiled``, ``sdpa``, and ``vanilla`` where its score matrix is small) on
+times the candidates (``tiled``, ``sdpa``, and ``vanilla`` for float32 and float64 where its
+score matrix is small) on
 the real tensors, interleaved, and keeps the fastest; under autograd the time is forward +
 backward, cached separately. The choice is kept in memory and in
 ``$NPU_ATTN_CACHE_DIR/auto_strategy.json`` (default ``~/.cache/npu_attn``) under a fingerprint
@@ -128,6 +129,11 @@ class AutoSelector:
     @staticmethod
     def candidates(query, key) -> list[str]:
         names = ["tiled", "sdpa"]
+        if query.dtype in (torch.bfloat16, torch.float16):
+            # vanilla rounds the scores to the 16-bit type before the softmax (as diffusers'
+            # AttnProcessor does): an error of |s| x 2^-9 in bfloat16 on every exponent, which
+            # torch's SDPA and tiled avoid (float32 scores), so auto never trades it for speed.
+            return names
         b_h = query.numel() // max(query.shape[-1], 1) // max(query.shape[-2], 1)
         score_bytes = b_h * query.shape[-2] * key.shape[-2] * 4
         if score_bytes <= 64 << 20:  # vanilla only where its score matrix is small

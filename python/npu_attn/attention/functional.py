@@ -237,6 +237,14 @@ def _broadcast_plan(q_shape, k_shape, v_shape, mask_shape, enable_gqa) -> _Plan:
     )
 
 
+def _values_emptied_by_batch(q_shape, v_shape) -> bool:
+    """Whether value has no elements because a batch or heads dim is 0 where the query's is
+    not: torch 2.13 returns zeros in the query's own shape (..., L_q, D_v) there (query
+    (1, 2, 5, 8) with key and value (0, 2, 6, 8) gives (1, 2, 5, 8)), where broadcasting would
+    give an empty batch."""
+    return 0 in tuple(v_shape)[:-2] and 0 not in tuple(q_shape)
+
+
 def _shaped_like_torch(out, lse, plan: _Plan):
     """The kernel's 4-D output and 3-D log-sum-exp (or None) in the plan's shapes for them.
     Where those keep the query's own leading dims although key and value broadcast them (calls
@@ -516,6 +524,10 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
             f"attn_mask must be bool, float32 or the query's dtype ({query.dtype}), "
             f"got {attn_mask.dtype}"
         )
+    if _values_emptied_by_batch(query.shape, value.shape):
+        out = query.new_zeros(tuple(query.shape[:-1]) + (value.shape[-1],)) + value.sum()
+        lse = torch.full(tuple(query.shape[:-1]), -math.inf) if return_lse else None
+        return (out, lse) if return_lse else out
     plan = _broadcast_plan(
         query.shape,
         key.shape,
@@ -573,6 +585,10 @@ def _numpy_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
             )
         if attn_mask.dtype == np.float16:  # the kernel reads bool or float32 masks
             attn_mask = attn_mask.astype(np.float32)
+    if _values_emptied_by_batch(query.shape, value.shape):
+        out = np.zeros(query.shape[:-1] + (value.shape[-1],), dtype=query.dtype)
+        lse = np.full(query.shape[:-1], -np.inf, dtype=np.float32) if return_lse else None
+        return (out, lse) if return_lse else out
     plan = _broadcast_plan(
         query.shape,
         key.shape,
@@ -628,8 +644,9 @@ def scaled_dot_product_attention(
       latents (B, F, H, L, D) alike. As in torch, the leading dims broadcast against each
       other: a key/value batch (or head count) of 1 serves every query batch (or head), a
       3-D query with 4-D key/value gives a 4-D output; the output has the broadcast shape
-      (..., Hq, Lq, Dv), except that a call with no keys, queries or value channels keeps the
-      query's own leading dims (zeros where it has queries), as torch 2.13 returns it. Extra
+      (..., Hq, Lq, Dv), except that a call with no keys, queries or value channels, or whose
+      value has a batch or heads dim of 0, keeps the query's own leading dims (zeros where it
+      has queries), as torch 2.13 returns it. Extra
       batch dims are merged into one for the kernel (a view for the
       usual layouts; broadcast inputs whose strides cannot merge are copied). Any strides:
       (B, L, H, D) memory layouts are read without copies. Inputs of 1 dimension raise
