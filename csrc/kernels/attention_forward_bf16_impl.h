@@ -88,10 +88,7 @@ void pair_dot(const UnalignedWord* a, int64_t lda, const uint32_t* b, int64_t ld
 inline float scale_scores_if_needed(const AttentionParams& p, int64_t keys, int64_t lanes,
                                     float* st, int64_t ld) {
   if (p.mask_kind != MaskKind::kAdditive && p.scale > 0.0f) return p.scale;
-  const Vec scale = splat(p.scale);
-  for (int64_t j = 0; j < keys; ++j)
-    for (int64_t i = 0; i < lanes; i += kLanes)
-      store(st + j * ld + i, load(st + j * ld + i) * scale);
+  scale_score_rows(st, ld, keys, lanes / kLanes, p.scale);
   return 1.0f;
 }
 

@@ -551,8 +551,11 @@ NPU_ATTN_VEC_INLINE void softmax_rescale(const AttentionParams& p, int64_t ld, i
 
 // ---------------------------------------------------------------- huge scores
 // The exponentials' argument is one FMA, s log2(e) - shift log2(e), with shift log2(e) rounded
-// once per query: that rounding moves every probability of the query by the same factor, which
-// cancels in P / l while the factor stays near 1. Up to |shift| = 2^20 it is at most 2^0.09;
+// once per query (and m * scale before it in the pair kernels): that rounding moves every
+// probability of the query computed with one shift by the same factor, which cancels in P / l;
+// tiles computed before the running maximum moved carry another factor. Both stay within
+// |shift| 2^-23 or so in the exponent, the size of the scores' own float32 rounding, so they add
+// no error the scores do not carry already. Up to |shift| = 2^20 that is 2^(+-0.2) at most;
 // beyond, it grows with the shift (scores of 1e10: 2^(+-860), so P overflows or vanishes), and
 // a maximum of -FLT_MAX (a row that a float mask of torch.finfo(float32).min, as transformers
 // builds padding masks, hides entirely) makes shift log2(e) -inf and every argument NaN.
@@ -566,10 +569,7 @@ NPU_ATTN_VEC_INLINE bool any_shift_beyond_limit(const Vec (&shift)[Vecs]) {
 #pragma GCC unroll 16
   for (int v = 0; v < Vecs; ++v)
     beyond |= (shift[v] > splat(kFusedShiftLimit)) | (shift[v] < splat(-kFusedShiftLimit));
-  int32_t any = 0;
-#pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) any |= beyond[i];
-  return any != 0;
+  return any_lane(beyond);
 }
 
 // S^T rows (`keys` rows of `vecs` vectors) times score_scale, each product rounded: not

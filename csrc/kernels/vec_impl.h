@@ -157,13 +157,17 @@ NPU_ATTN_VEC_INLINE Vec exp2_nonpositive(Vec t) {
 
 constexpr float kLog2e = 1.44269504088896341f;
 
-// Whether any lane of a differs from the same lane of b (NaN lanes count as different).
-NPU_ATTN_VEC_INLINE bool any_lane_differs(Vec a, Vec b) {
-  const IVec differs = a != b;
+// Whether any lane of a comparison's result is true (all ones).
+NPU_ATTN_VEC_INLINE bool any_lane(IVec compared) {
   int32_t any = 0;
 #pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) any |= differs[i];
+  for (int i = 0; i < kLanes; ++i) any |= compared[i];
   return any != 0;
+}
+
+// Whether any lane of a differs from the same lane of b (NaN lanes count as different).
+NPU_ATTN_VEC_INLINE bool any_lane_differs(Vec a, Vec b) {
+  return any_lane(a != b);
 }
 
 NPU_ATTN_VEC_INLINE int64_t min_i64(int64_t a, int64_t b) {

@@ -2,6 +2,7 @@
 // mask kinds, and the owning tensors plus SdpaArguments that describe one forward call.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -130,6 +131,20 @@ inline void build(const Case& c, Problem& pr, uint32_t seed) {
   pr.args.enable_gqa = c.heads_q != c.heads_kv;
   pr.args.num_threads = 2;
   build_mask(c, pr, seed + 3);
+}
+
+// A float mask of -FLT_MAX, as transformers builds padding masks from torch.finfo(float32).min,
+// written over pr.additive (MaskCase::kAdditiveFull): rows 0, 3, 6, ... hide every key (their
+// scores all round to -FLT_MAX, in double too, so their softmax is uniform: the mean of the
+// values), the other rows the first `hidden_keys` keys (left padding: beyond one key tile, 512
+// keys, the running maximum moves from -FLT_MAX to a finite score) and every fourth key.
+inline void hide_keys_with_min_float(Problem& pr, int64_t hidden_keys) {
+  const auto& s = pr.additive.shape;
+  for (int64_t b = 0; b < s[0]; ++b)
+    for (int64_t h = 0; h < s[1]; ++h)
+      for (int64_t i = 0; i < s[2]; ++i)
+        for (int64_t j = 0; j < s[3]; ++j)
+          if (i % 3 == 0 || j < hidden_keys || j % 4 == 0) pr.additive.at({b, h, i, j}) = -FLT_MAX;
 }
 
 // Why `isa` never runs the taller query tiles of streamed K/V (kStreamedQueryTile: vectors of

@@ -216,6 +216,22 @@ TEST_P(Int8EveryIsa, FullyMaskedRowsAndEmptyKeysGiveZeros) {
   for (float x : pe.out.storage) EXPECT_EQ(x, 0.0f);
 }
 
+TEST_P(Int8EveryIsa, MinFloatPaddingMasksKeepTheAccuracyBar) {
+  // The int8 kernel's softmax is the float32 kernel's: rows a torch.finfo(float32).min mask
+  // hides entirely average the values, and left padding beyond a key tile moves the running
+  // maximum from -FLT_MAX (hide_keys_with_min_float).
+  const Case c{1, 2, 2, 40, 700, 64, 64, Layout::kBHSD, MaskCase::kAdditiveFull};
+  Problem pr;
+  build(c, pr, 5);
+  make_diffusion_like(c, pr, 5);
+  hide_keys_with_min_float(pr, 560);
+  run_attention_int8(make_attention_params(pr.args), GetParam());
+  compute_reference(pr);
+  const Accuracy a = compare(pr.out, pr.ref_out);
+  EXPECT_GE(a.cosine, kMinCosine);
+  EXPECT_LE(a.relative_l1, kMaxRelativeL1);
+}
+
 TEST_P(Int8EveryIsa, NanInAQueryOrKeyReachesTheOutput) {
   const Case c{1, 1, 1, 20, 30, 40, 40};
   Problem pr;

@@ -204,6 +204,12 @@ def test_values_with_a_zero_batch_give_zeros_in_the_querys_shape(q_shape, kv_sha
     assert ours.shape == theirs.shape and torch.equal(ours, theirs)
     arrays = sdpa(q.numpy(), k.numpy(), v.numpy(), enable_gqa=gqa)
     assert arrays.shape == theirs.shape and not arrays.any()
+    # In the autograd graph like torch's (zero gradients), with a float32 lse of -inf.
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = sdpa(*leaves, enable_gqa=gqa, return_lse=True)
+    out.sum().backward()
+    assert not leaves[0].grad.any() and leaves[2].grad.shape == v.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1] and torch.isneginf(lse).all()
 
 
 def test_zero_dim_tensor_scale_and_dropout_like_torch():

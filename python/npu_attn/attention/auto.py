@@ -1,10 +1,9 @@
 """``auto``: the fastest strategy per attention shape on CPU, measured once and cached.
 
 The first call with a new shape (batch, heads, lengths, head dims, dtype, mask kind, causal)
-times the candidates (``tiled``, ``sdpa``, and ``vanilla`` for float32 and float64 where its
-score matrix is small) on
-the real tensors, interleaved, and keeps the fastest; under autograd the time is forward +
-backward, cached separately. The choice is kept in memory and in
+times the candidates (``tiled``, ``sdpa``, and ``vanilla`` where its score matrix is small,
+except in 16-bit types) on the real tensors, interleaved, and keeps the fastest; under
+autograd the time is forward + backward, cached separately. The choice is kept in memory and in
 ``$NPU_ATTN_CACHE_DIR/auto_strategy.json`` (default ``~/.cache/npu_attn``) under a fingerprint
 of this machine and software, and logged. On an Ascend NPU ``auto`` is ``npu``; on other
 accelerators ``sdpa``.

@@ -390,9 +390,9 @@ def _keeps_query_layout(torch, query, key, value, attn_mask, enable_gqa) -> bool
     torch's CPU flash kernel lays its output out like the query; every other path (3-D or 5-D
     inputs, broadcast batch or heads, D != Dv, a last dim with stride != 1, a 3-D mask or one
     that requires grad, empty sequences, flash disabled) returns a contiguous tensor, and so
-    does the flash kernel for a query expanded over heads (stride 0). Where
-    this says False npu_attn returns a contiguous output too; where torch's choice is unclear
-    it says False, so npu_attn's output is viewable whenever torch's is."""
+    does the flash kernel for a query expanded over heads (stride 0). Where this says False
+    npu_attn returns a contiguous output too; where torch's choice is unclear it says False,
+    so npu_attn's output is viewable whenever torch's is."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
     (b, hq, lq, d), (bk, hk, lk, dk), (bv, hv, _, dv) = query.shape, key.shape, value.shape
@@ -525,9 +525,14 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
             f"got {attn_mask.dtype}"
         )
     if _values_emptied_by_batch(query.shape, value.shape):
-        out = query.new_zeros(tuple(query.shape[:-1]) + (value.shape[-1],)) + value.sum()
-        lse = torch.full(tuple(query.shape[:-1]), -math.inf) if return_lse else None
-        return (out, lse) if return_lse else out
+        # The empty sums (exactly 0, whatever the tensors hold) keep the output in the inputs'
+        # autograd graph, as torch's is.
+        empty_sums = query[..., :0].sum() + key[..., :0].sum() + value.sum()
+        out = query.new_zeros(tuple(query.shape[:-1]) + (value.shape[-1],)) + empty_sums
+        if not return_lse:
+            return out
+        lse_shape = tuple(query.shape[:-1])
+        return out, torch.full(lse_shape, -math.inf, dtype=torch.float32, device=query.device)
     plan = _broadcast_plan(
         query.shape,
         key.shape,
@@ -646,9 +651,9 @@ def scaled_dot_product_attention(
       3-D query with 4-D key/value gives a 4-D output; the output has the broadcast shape
       (..., Hq, Lq, Dv), except that a call with no keys, queries or value channels, or whose
       value has a batch or heads dim of 0, keeps the query's own leading dims (zeros where it
-      has queries), as torch 2.13 returns it. Extra
-      batch dims are merged into one for the kernel (a view for the
-      usual layouts; broadcast inputs whose strides cannot merge are copied). Any strides:
+      has queries), as torch 2.13 returns it. Extra batch dims are merged into one for the
+      kernel (a view for the usual layouts; broadcast inputs whose strides cannot merge are
+      copied). Any strides:
       (B, L, H, D) memory layouts are read without copies. Inputs of 1 dimension raise
       ``ValueError`` (torch raises too).
     - ``attn_mask``: bool (True = attend) or float (added to the scores), broadcastable to
@@ -677,8 +682,10 @@ def scaled_dot_product_attention(
       so ``out.view(-1)`` works wherever it works on torch's output.
 
     Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does; rows that a
-    float mask of ``torch.finfo(dtype).min`` hides entirely (as transformers builds padding
-    masks) see equal scores and average the values, as in torch. NaN and Inf in the inputs
+    float mask of ``torch.finfo(torch.float32).min`` hides entirely (as transformers builds
+    padding masks) see equal scores and average the values, as in torch (their gradients,
+    recomputed from a log-sum-exp that rounds to the mask value, are those of torch's kernel
+    too, not the math reference's). NaN and Inf in the inputs
     propagate as in the math reference, except that with ``is_causal`` the keys a query cannot
     see never enter its computation (its output stays finite where only those keys' values are
     not; torch's kernel turns 0 x Inf into NaN for them on short sequences).
