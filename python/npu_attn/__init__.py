@@ -16,6 +16,13 @@ from .attention.functional import scaled_dot_product_attention
 
 _compat.install()
 
+# With torch already imported, npu_attn's torch ops are registered now (~10 ms), so a program
+# saved with torch.export that calls them loads after a plain ``import npu_attn``; otherwise they
+# register on first use, and NumPy-only processes never import torch.
+if "torch" in __import__("sys").modules:
+    from .attention import ops as _ops  # noqa: F401
+    from .graph import winograd as _winograd  # noqa: F401
+
 # Everything else is imported on first use: the diffusers integration needs torch, and NumPy-only
 # users of the kernel should not pay for (or need) it. name -> module that defines it.
 _LAZY = {

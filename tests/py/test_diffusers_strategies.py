@@ -17,7 +17,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 import npu_attn
 from npu_attn.attention import strategies
 from npu_attn.attention.auto import AutoSelector
-from tiny_models import FAMILIES, run_unet, tiny_unet, tiny_vae
+from tiny_models import FAMILIES, run_unet, tiny_unet, tiny_vae, unet_inputs
 
 STRATEGIES = ["vanilla", "sdpa", "tiled", "auto"]  # "npu" needs an Ascend NPU
 # Which implementation must have served the attention calls for each strategy.
@@ -176,6 +176,38 @@ def test_tiny_stable_diffusion_pipeline_matches_and_resets():
     npu_attn.reset_attention_strategy(pipe)
     assert all(unet.attn_processors[n] is p for n, p in originals.items())
     assert abs(generate() - reference).max() == 0
+
+
+def test_float64_models_run_on_every_cpu_strategy(monkeypatch):
+    # npu_attn's kernels take 16- and 32-bit floats: auto runs torch's SDPA for float64, and
+    # the kernel strategies fall back to it with a one-time warning instead of failing.
+    monkeypatch.setattr(strategies, "_fallback_warned", set())
+    model = tiny_unet().double()
+    inputs = {
+        k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in unet_inputs(True).items()
+    }
+    with torch.no_grad():
+        reference = model(**inputs).sample
+        for strategy in ("auto", "tiled", "int8"):
+            npu_attn.set_attention_strategy(model, strategy)
+            if strategy == "auto":
+                out = model(**inputs).sample
+            else:
+                with pytest.warns(RuntimeWarning, match="float64 inputs"):
+                    out = model(**inputs).sample
+            npu_attn.reset_attention_strategy(model)
+            assert torch.allclose(out, reference, rtol=0, atol=1e-12), strategy
+
+
+def test_auto_takes_the_masks_npu_attn_broadcasts():
+    # 0-D and 1-D masks broadcast in npu_attn; torch's SDPA (auto's sdpa candidate) needs 2-D.
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 12, 8), torch.randn(2, 4, 12, 8)
+    for mask in (torch.rand(12) > 0.3, torch.randn(12), torch.tensor(True)):
+        expected = strategies.RUNNERS["tiled"](q, k, v, mask)
+        for strategy in ("auto", "sdpa", "vanilla"):
+            out = strategies.RUNNERS[strategy](q, k, v, mask)
+            assert torch.allclose(out, expected, atol=1e-5), (strategy, mask.shape)
 
 
 def test_auto_never_picks_vanilla_for_16_bit_inputs():

@@ -7,6 +7,7 @@ still runs."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -143,7 +144,12 @@ def test_a_failed_measurement_keeps_the_direct_convolution(recorder, monkeypatch
     monkeypatch.setattr(frozen_conv, "winograd_speedup", out_of_memory)
     monkeypatch.setattr(frozen_conv, "_FAILED_MEASUREMENTS", set())
     x = torch.randn(1, 8, 8, 8)
-    with pytest.warns(UserWarning, match="could not time Winograd .* keeping oneDNN's"):
+    # pytest.warns re-emits what it records but did not match from this file, where the
+    # configuration's filter for torch's own deprecations (a lazy torch.jit one fires on a
+    # process's first compile) no longer applies: those are kept out of the record.
+    expected = "could not time Winograd .* keeping oneDNN's"
+    with pytest.warns(UserWarning, match=expected), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
         compiled, eager = frozen_and_eager(conv_net(), x)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     frozen_and_eager(conv_net(), x)  # a second graph: the failures are remembered

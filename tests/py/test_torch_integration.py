@@ -7,6 +7,9 @@ Low-precision bar (flash-attention's): max|out - ref64| <= 2 * max|torch_same_dt
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -464,6 +467,50 @@ def test_non_cpu_tensors_are_routed_not_refused():
     meta = torch.empty(2, 4, 10, 16, device="meta")
     out = npu_attn.scaled_dot_product_attention(meta, meta, meta)
     assert out.device.type == "meta" and out.shape == (2, 4, 10, 16)
+
+
+@pytest.mark.parametrize("default", ["sdpa", "vanilla", "int8"])
+def test_a_default_that_cannot_return_the_lse_is_ignored_for_it(default):
+    # Only tiled returns the log-sum-exp: with return_lse=True another default is passed over,
+    # as a default that cannot run a call is.
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    expected = npu_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    try:
+        npu_attn.set_attention_strategy(None, default)
+        out, lse = npu_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    finally:
+        npu_attn.reset_attention_strategy(None)
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+def test_ops_refuse_integer_masks_and_other_ranks():
+    q = torch.randn(1, 2, 8, 16)
+    keep = torch.rand(8, 8) > 0.5
+    for op in (torch.ops.npu_attn.sdpa_forward, torch.ops.npu_attn.sdpa_forward_int8):
+        with pytest.raises(TypeError, match="attn_mask must be bool or floating point"):
+            op(q, q, q, keep.int(), False, None, False)
+        with pytest.raises(ValueError, match="take 4-D"):
+            op(q[0], q[0], q[0], None, False, None, False)
+
+
+def test_exported_programs_load_after_importing_npu_attn(tmp_path):
+    # torch.export.load resolves torch.ops.npu_attn.* while loading: importing npu_attn after
+    # torch registers them, as a fresh process that only loads the program needs.
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return npu_attn.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(1, 2, 8, 16)
+    program = torch.export.export(Attention(), (q, q, q))
+    path = tmp_path / "attention.pt2"
+    torch.export.save(program, str(path))
+    code = (
+        "import torch, npu_attn; q = torch.randn(1, 2, 8, 16); "
+        f"print(tuple(torch.export.load({str(path)!r}).module()(q, q, q).shape))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(1, 2, 8, 16)"
 
 
 def test_default_strategy_applies_to_the_function():

@@ -26,7 +26,7 @@ from ..runtime.cache import MeasurementCache, build_digest
 from ..runtime.timing import interleaved_medians
 from ..runtime.variant_choice import DTYPES as KERNEL_DTYPES
 from .backends import npu as npu_backend
-from .backends.base import needs_grad
+from .backends.base import FLOATS, needs_grad
 
 logger = logging.getLogger("npu_attn")
 
@@ -186,6 +186,8 @@ class AutoSelector:
             return self._runner(name)(*args)
         if dropout_p > 0.0:
             return self._runner("sdpa")(*args)  # the only candidates with dropout
+        if query.dtype not in FLOATS:  # float64: npu_attn's kernels take 16- and 32-bit floats
+            return self._runner("sdpa")(*args)
         training = needs_grad(query, key, value, attn_mask)
         if torch.compiler.is_compiling():
             spec = self.spec(query, key, value, attn_mask, is_causal, enable_gqa)

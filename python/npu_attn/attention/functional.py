@@ -550,9 +550,19 @@ def _torch_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, retu
     # The one validated call object every backend receives (scale resolved once there).
     call = AttentionCall.of(q, k, v, mask, 0.0, is_causal, scale, enable_gqa)
     if transform is not None:
+        if return_lse:
+            raise NotImplementedError(
+                f"return_lse=True is not supported under {transform[0]}: only npu_attn's tiled "
+                "kernel returns the log-sum-exp, and it cannot run under the transform"
+            )
         chosen = _transform_backend(registry, transform, backend)
     else:
-        chosen = registry.select(call, backend, None if backend else _default_backend())
+        preferred = None if backend else _default_backend()
+        if return_lse and preferred != "tiled":
+            # Only tiled returns the log-sum-exp: a default that cannot is ignored, as is one
+            # that cannot run the call.
+            preferred = None
+        chosen = registry.select(call, backend, preferred)
     if return_lse:
         out, lse = chosen.forward_with_lse(call)
     else:

@@ -46,11 +46,27 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 def _kernel_mask(attn_mask):
-    """The mask as the kernel takes it: bool, or float32 (a float16/bfloat16 mask is widened;
-    masks are usually broadcast (B, 1, 1, Lk) or (Lq, Lk), so this copy is small)."""
+    """The mask as the kernel takes it: bool, or float32 (another float mask is converted;
+    masks are usually broadcast (B, 1, 1, Lk) or (Lq, Lk), so this copy is small). An integer
+    mask is refused, as torch's SDPA refuses it: read as additive, a 0/1 keep-mask would hide
+    nothing."""
     if attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32):
         return attn_mask
+    if not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
     return attn_mask.float()
+
+
+def _check_op_inputs(query, key, value):
+    """The ops take the kernel's 4-D problem (the public function flattens other ranks); the
+    C++ binding validates the rest of the call."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"torch.ops.npu_attn ops take 4-D (batch, heads, seq_len, head_dim) tensors; "
+                f"{name} has shape {tuple(t.shape)} (npu_attn.scaled_dot_product_attention "
+                "takes any rank)"
+            )
 
 
 def _choose_variant(dtype: torch.dtype, backward: bool = False) -> None:
@@ -153,11 +169,13 @@ def sdpa_forward(
     enable_gqa: bool,
 ) -> tuple[Tensor, Tensor]:
     """Attention output (B, Hq, Lq, Dv) and log-sum-exp (B, Hq, Lq) of 4-D CPU tensors."""
+    _check_op_inputs(query, key, value)
     return forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
 
 
 @sdpa_forward.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    _check_op_inputs(query, key, value)
     b, hq, lq, _ = query.shape
     return _empty_output(query, value.shape[-1]), query.new_empty((b, hq, lq), dtype=torch.float32)
 
@@ -238,11 +256,13 @@ def sdpa_forward_int8(
 ) -> Tensor:
     """Lossy int8 attention output (B, Hq, Lq, Dv) of 4-D CPU tensors (no autograd formula:
     differentiating it raises)."""
+    _check_op_inputs(query, key, value)
     return forward_int8_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
 
 
 @sdpa_forward_int8.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    _check_op_inputs(query, key, value)
     return _empty_output(query, value.shape[-1])
 
 

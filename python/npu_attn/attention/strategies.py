@@ -80,13 +80,15 @@ def _warn_once(key: str, message: str) -> None:
 def _cpu_kernel(name: str, call: AttentionCall) -> torch.Tensor:
     """Runs ``call`` on npu_attn's CPU kernel backend ``name`` (``tiled`` or ``int8``) through
     the public function (autocast, broadcasting and transforms as torch does them; the kernel
-    counts the call where it runs). Calls it cannot serve (dropout, non-CPU tensors) go to
-    torch's SDPA with a one-time warning instead of failing inside a model."""
+    counts the call where it runs). Calls it cannot serve (dropout, non-CPU tensors, float64)
+    go to torch's SDPA with a one-time warning instead of failing inside a model."""
     reason = None
     if call.device_type != "cpu":
         reason = f"tensors on {call.query.device}"
     elif call.dropout_p > 0.0:
         reason = "dropout_p > 0 (training)"
+    elif call.dtype not in registry.BY_NAME[name].dtypes:
+        reason = f"{call.dtype} inputs (the kernel takes float32, bfloat16 and float16)"
     if reason is not None:
         _warn_once(
             f"{name}:{reason}", f"npu_attn '{name}': {reason}; using torch SDPA for these calls"

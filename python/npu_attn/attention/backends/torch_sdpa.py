@@ -55,6 +55,8 @@ def torch_mask_args(mask, is_causal, scale, len_q, len_k, dtype, device):
     -inf into +inf (a mask is added after the scale)."""
     if mask is not None and mask.dtype not in (torch.bool, dtype):
         mask = mask.to(dtype)  # e.g. a float32 mask with 16-bit or float64 inputs
+    if mask is not None and mask.dim() < 2:  # npu_attn broadcasts them; torch's SDPA needs 2-D
+        mask = mask.reshape((1,) * (2 - mask.dim()) + tuple(mask.shape))
     if is_causal and (mask is not None or (scale is not None and scale <= 0)):
         mask, is_causal = fold_causal(mask, len_q, len_k, device), False
     return mask, is_causal
