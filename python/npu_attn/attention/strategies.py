@@ -7,12 +7,13 @@ enable_gqa) -> Tensor`` that the diffusers redirect calls:
 - ``vanilla``: the ``vanilla`` backend (matmul -> softmax -> matmul, O(L^2) scores).
 - ``sdpa``: the ``sdpa`` backend (torch's own SDPA).
 - ``tiled``: npu_attn's kernel through :func:`npu_attn.scaled_dot_product_attention`; calls it
-  cannot serve (tensors on another device, dropout) go to ``sdpa`` with a one-time warning.
+  cannot serve (tensors on another device, dropout, float64) go to ``sdpa`` with a one-time
+  warning.
 - ``npu``: the ``npu`` backend (torch_npu's fused attention).
 - ``int8``: the ``int8`` backend (npu_attn's lossy int8 kernel; opt-in, inference only: a call
   that needs gradients raises). Calls it cannot serve go to ``sdpa`` like ``tiled``'s.
-- ``auto``: measured per shape on CPU (:mod:`npu_attn.attention.auto`), ``npu`` on an Ascend NPU,
-  ``sdpa`` elsewhere.
+- ``auto``: measured per shape on CPU (:mod:`npu_attn.attention.auto`; float64 runs ``sdpa``),
+  ``npu`` on an Ascend NPU, ``sdpa`` elsewhere.
 
 What each backend computes and supports lives in :mod:`npu_attn.attention.backends`; this
 module keeps only names, the fallback rule, availability per device and call counts.
