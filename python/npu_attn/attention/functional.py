@@ -663,9 +663,8 @@ def scaled_dot_product_attention(
       value has a batch or heads dim of 0, keeps the query's own leading dims (zeros where it
       has queries), as torch 2.13 returns it. Extra batch dims are merged into one for the
       kernel (a view for the usual layouts; broadcast inputs whose strides cannot merge are
-      copied). Any strides:
-      (B, L, H, D) memory layouts are read without copies. Inputs of 1 dimension raise
-      ``ValueError`` (torch raises too).
+      copied). Any strides: (B, L, H, D) memory layouts are read without copies. Inputs of 1
+      dimension raise ``ValueError`` (torch raises too).
     - ``attn_mask``: bool (True = attend) or float (added to the scores), broadcastable to
       (..., Hq, Lq, Lk) by torch's rules (0-D and 1-D masks included; torch 2.13 raises
       ``IndexError`` for those, npu_attn broadcasts them). A float mask may be float32 with any
@@ -695,10 +694,10 @@ def scaled_dot_product_attention(
     float mask of ``torch.finfo(torch.float32).min`` hides entirely (as transformers builds
     padding masks) see equal scores and average the values, as in torch (their gradients,
     recomputed from a log-sum-exp that rounds to the mask value, are those of torch's kernel
-    too, not the math reference's). NaN and Inf in the inputs
-    propagate as in the math reference, except that with ``is_causal`` the keys a query cannot
-    see never enter its computation (its output stays finite where only those keys' values are
-    not; torch's kernel turns 0 x Inf into NaN for them on short sequences).
+    too, not the math reference's). NaN and Inf in the inputs propagate as in the math
+    reference, except that with ``is_causal`` the keys a query cannot see never enter its
+    computation (its output stays finite where only those keys' values are not; torch's kernel
+    turns 0 x Inf into NaN for them on short sequences).
 
     Torch tensors on any device are routed to the first backend that can take the call
     (see :func:`npu_attn.backends`): CPU tensors to npu_attn's tiled kernels (float32,
