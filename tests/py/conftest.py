@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -26,6 +27,11 @@ def _seed():
 def reference_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """torch's SDPA math in float64: the oracle every kernel is checked against.
 
+    The math backend explicitly: for float64 torch would otherwise pick its CPU flash kernel,
+    whose backward recomputes probabilities from the log-sum-exp and so gets rows that a
+    torch.finfo(float32).min mask hides entirely wrong (P = 1 instead of 1/n: the lse,
+    -FLT_MAX + log n, rounds to -FLT_MAX even in float64).
+
     torch's math path refuses attn_mask together with is_causal (its CPU flash path applies
     both); npu_attn applies both, so the reference folds the causal mask into attn_mask. It
     folds it with a scale of 0 or below too: torch 2.13 scales the scores after its causal
@@ -44,15 +50,16 @@ def reference_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_
         else:
             mask = mask.masked_fill(~causal, float("-inf"))
         is_causal = False
-    return F.scaled_dot_product_attention(
-        q.double(),
-        k.double(),
-        v.double(),
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -242,6 +242,36 @@ def test_min_float_padding_masks_match_torch(dtype, backend):
     assert torch.allclose(ours[:, :, 1].double(), v.double().mean(-2), atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_grad", [False, True], ids=["kernel-backward", "torch-ops-backward"])
+def test_min_float_padding_masks_have_exact_gradients(dtype, mask_grad):
+    # The row that hides every key averages the values: its probabilities are 1/9 each. Its
+    # lse (-FLT_MAX + log 9) rounds to -FLT_MAX, so a backward that recomputes P as
+    # exp(S - lse) gets 1 for each key, gradients 9x too large (torch 2.13's float32 CPU
+    # kernel does that); npu_attn recomputes such rows' softmax exactly.
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, n, 40, generator=gen).to(dtype) for n in (7, 9, 9))
+    mask = torch.zeros(7, 9)
+    mask[1] = torch.finfo(torch.float32).min
+    mask[3, ::2] = torch.finfo(torch.float32).min
+    grad_out = torch.randn(2, 3, 7, 40, generator=gen).to(dtype)
+
+    def gradients(fn, *inputs, mask):
+        out = fn(*inputs, attn_mask=mask)
+        return torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
+
+    ref = gradients(reference_sdpa, *(x.double().requires_grad_() for x in (q, k, v)), mask=mask)
+    ours = gradients(
+        npu_attn.scaled_dot_product_attention,
+        *(x.clone().requires_grad_() for x in (q, k, v)),
+        mask=mask.clone().requires_grad_(mask_grad),
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, o, r in zip("qkv", ours, ref):
+        assert torch.isfinite(o).all(), name
+        assert max_err(o, r) <= tolerance * max(1.0, float(r.abs().max())), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale", [1e7, 1e9, 1e10])
 def test_huge_scores_match_torch(dtype, scale):

@@ -692,9 +692,10 @@ def scaled_dot_product_attention(
 
     Query rows whose keys are all masked return 0, as torch 2.13's CPU SDPA does; rows that a
     float mask of ``torch.finfo(torch.float32).min`` hides entirely (as transformers builds
-    padding masks) see equal scores and average the values, as in torch (their gradients,
-    recomputed from a log-sum-exp that rounds to the mask value, are those of torch's kernel
-    too, not the math reference's). NaN and Inf in the inputs propagate as in the math
+    padding masks) see equal scores and average the values, as in torch; their gradients are
+    exact (the backward recomputes such rows' softmax instead of reading it back from a
+    log-sum-exp that rounds to the mask value, which makes torch 2.13's CPU kernel's gradients
+    there n times too large for n keys). NaN and Inf in the inputs propagate as in the math
     reference, except that with ``is_causal`` the keys a query cannot see never enter its
     computation (its output stays finite where only those keys' values are not; torch's kernel
     turns 0 x Inf into NaN for them on short sequences).

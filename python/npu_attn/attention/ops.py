@@ -42,6 +42,11 @@ from ..runtime import counts, variant_choice
 from ..runtime.extension import _C
 
 _BLOCK_BYTES = 64 << 20
+# Rows whose log-sum-exp is beyond this magnitude: there float32 cannot hold log(row sum) beside
+# the row maximum (at torch.finfo(float32).min, a mask hiding a whole row, the sum is lost
+# entirely), so exp(S - lse) does not give the row's probabilities back. The kernels' forward
+# shifts such rows exactly from the same limit (kFusedShiftLimit, attention_forward_impl.h).
+_HUGE_LSE = 2.0**20
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -267,11 +272,24 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 # --------------------------------------------------------------------------- backward
+def _has_huge_lse(lse: Tensor) -> bool:
+    """Whether a row's finite log-sum-exp is beyond _HUGE_LSE in magnitude."""
+    return bool(((lse.abs() > _HUGE_LSE) & torch.isfinite(lse)).any())
+
+
 def backward_cpu(
     grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
 ):
     """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtype (float32, bfloat16
-    or float16 read and written directly; the kernel accumulates in float32)."""
+    or float16 read and written directly; the kernel accumulates in float32).
+
+    Calls with a row whose lse is beyond _HUGE_LSE (rows a torch.finfo(float32).min mask hides
+    entirely, scores of ~1e6 and beyond) take the torch-ops backward, which recomputes those
+    rows' softmax exactly: the kernel can only recompute probabilities as exp(S - lse)."""
+    if _has_huge_lse(lse):
+        tensors = (grad_out, query, key, value, attn_mask, out, lse)
+        grads = attention_backward(*tensors, is_causal, scale, enable_gqa, grad_lse=grad_lse)
+        return tuple(g.contiguous() for g in grads[:3])
     mask = _kernel_mask(attn_mask)
     grad_q = torch.empty_like(query, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(key, memory_format=torch.contiguous_format)
@@ -385,6 +403,11 @@ def attention_backward(
         # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.
         empty = torch.isneginf(row_lse)
         probs = torch.exp(scores - row_lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+        # Rows with a huge lse (_HUGE_LSE) take the exact softmax of their scores instead,
+        # which this block has whole; selected without a branch, so tracing stays static.
+        huge = (row_lse.abs() > _HUGE_LSE) & ~empty
+        exact = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+        probs = torch.where(huge, exact, probs)
         dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
         dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
         shift = delta[:, :, i0:i1, None]
