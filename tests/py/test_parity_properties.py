@@ -24,7 +24,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import npu_attn
 from conftest import reference_sdpa
 
-MASKS = ["none", "bool", "bool_rows_hidden", "float", "min_float_padding", "keypad"]
+MASKS = [
+    "none",
+    "bool",
+    "bool_rows_hidden",
+    "float",
+    "min_float_padding",
+    "min_float_rows_hidden",
+    "keypad",
+]
 SCALES = [None, 0.05, 0.37, 3.0, -0.5]
 # How much worse than torch npu_attn may be, plus a floor (relative to the largest reference
 # value) under which differences are rounding noise: one rounding of the output dtype, and
@@ -55,6 +63,10 @@ def _mask(kind, b, h, lq, lk, gen):
     if kind == "float":
         mask = torch.randn(b, 1, lq, lk, generator=gen)
         mask[torch.rand(b, 1, lq, lk, generator=gen) > 0.8] = float("-inf")
+        return mask
+    if kind == "min_float_rows_hidden":  # rows whose scores all round to the mask value
+        mask = torch.zeros(1, 1, lq, lk)
+        mask[:, :, ::3] = torch.finfo(torch.float32).min
         return mask
     if kind == "min_float_padding":  # transformers' additive padding masks
         lengths = torch.randint(0, lk + 1, (b,), generator=gen)
@@ -122,6 +134,13 @@ def _torch_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
+
+
+def _torch_math_sdpa(*args, **kwargs):
+    """torch's math backend: float32 throughout for float32 inputs, its gradients exact up to
+    rounding (its flash backward gets rows a finfo.min mask hides entirely wrong)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return _torch_sdpa(*args, **kwargs)
 
 
 def _torch_flash_sdpa(*args, **kwargs):
@@ -213,7 +232,7 @@ def test_gradients_are_about_as_accurate_as_torch(call):
         *(x.detach().double().requires_grad_() for x in (q, k, v)),
     )
     ours = gradients(npu_attn.scaled_dot_product_attention, q, k, v)
-    baseline = _torch_sdpa if call["dtype"] == torch.float32 else _torch_flash_sdpa
+    baseline = _torch_math_sdpa if call["dtype"] == torch.float32 else _torch_flash_sdpa
     theirs = gradients(baseline, q, k, v)
     kappa = _kappa(q, k, call["scale"])
     terms = _largest_dp(grad_out, v)
@@ -228,21 +247,40 @@ def test_gradients_are_about_as_accurate_as_torch(call):
         ), f"d{name}, {_describe(call)}: error {ours_err:.3g}, torch {torch_err:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_property_can_fail(dtype):
-    """The bound is not vacuous: an output off by one part in a hundred breaks it."""
-    call = {
+def _plain_call(dtype, seed):
+    """B1 H2 Lq64 Lk77 D64, no mask: the checks that the bounds are not vacuous."""
+    return {
         "shape": (1, 2, 2, 64, 77, 64, 64),
         "bshd": False,
         "mask": "none",
         "causal": False,
         "scale": None,
         "dtype": dtype,
-        "seed": 3,
+        "seed": seed,
     }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_property_can_fail(dtype):
+    """The bound is not vacuous: an output off by 3% (plus 0.03) breaks it."""
+    call = _plain_call(dtype, seed=3)
     q, k, v, _ = _inputs(call)
     ref = reference_sdpa(q, k, v)
     theirs = F.scaled_dot_product_attention(q, k, v)
     wrong = (ref * 1.03 + 0.03).to(dtype)
     kappa = _kappa(q, k, None)
     assert _error(wrong, ref) > _bound(_error(theirs, ref), ref, dtype, kappa)
+
+
+def test_the_gradient_property_can_fail():
+    """Gradients 3% off break the gradient bound too (float32, a softmax of ordinary sharpness)."""
+    call = _plain_call(torch.float32, seed=5)
+    q, k, v, _ = _inputs(call, requires_grad=True)
+    grad_out = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(6))
+    inputs64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(reference_sdpa(*inputs64), inputs64, grad_out.double())
+    theirs = torch.autograd.grad(_torch_math_sdpa(q, k, v), (q, k, v), grad_out)
+    kappa, terms = _kappa(q, k, None), _largest_dp(grad_out, v)
+    for t, r in zip(theirs, ref):
+        wrong = r * 1.03
+        assert _error(wrong, r) > _bound(_error(t, r), r, torch.float32, kappa, terms)

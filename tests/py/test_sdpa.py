@@ -244,20 +244,24 @@ def test_min_float_padding_masks_match_torch(dtype, backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_grad", [False, True], ids=["kernel-backward", "torch-ops-backward"])
-def test_min_float_padding_masks_have_exact_gradients(dtype, mask_grad):
+@pytest.mark.parametrize("causal_gqa", [False, True], ids=["plain", "causal-gqa"])
+def test_min_float_padding_masks_have_exact_gradients(dtype, mask_grad, causal_gqa):
     # The row that hides every key averages the values: its probabilities are 1/9 each. Its
     # lse (-FLT_MAX + log 9) rounds to -FLT_MAX, so a backward that recomputes P as
     # exp(S - lse) gets 1 for each key, gradients 9x too large (torch 2.13's float32 CPU
     # kernel does that); npu_attn recomputes such rows' softmax exactly.
     gen = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(2, 3, n, 40, generator=gen).to(dtype) for n in (7, 9, 9))
+    heads_kv = 2 if causal_gqa else 4
+    q = torch.randn(2, 4, 7, 40, generator=gen).to(dtype)
+    k, v = (torch.randn(2, heads_kv, 9, 40, generator=gen).to(dtype) for _ in range(2))
     mask = torch.zeros(7, 9)
     mask[1] = torch.finfo(torch.float32).min
     mask[3, ::2] = torch.finfo(torch.float32).min
-    grad_out = torch.randn(2, 3, 7, 40, generator=gen).to(dtype)
+    grad_out = torch.randn(2, 4, 7, 40, generator=gen).to(dtype)
+    flags = {"is_causal": causal_gqa, "enable_gqa": causal_gqa}
 
     def gradients(fn, *inputs, mask):
-        out = fn(*inputs, attn_mask=mask)
+        out = fn(*inputs, attn_mask=mask, **flags)
         return torch.autograd.grad(out, inputs, grad_out.to(out.dtype))
 
     ref = gradients(reference_sdpa, *(x.double().requires_grad_() for x in (q, k, v)), mask=mask)
@@ -270,6 +274,30 @@ def test_min_float_padding_masks_have_exact_gradients(dtype, mask_grad):
     for name, o, r in zip("qkv", ours, ref):
         assert torch.isfinite(o).all(), name
         assert max_err(o, r) <= tolerance * max(1.0, float(r.abs().max())), name
+
+
+@pytest.mark.parametrize("backward", ["kernel_backward", "backward_cpu"])
+def test_a_key_shard_backward_reads_the_rows_global_lse(backward):
+    # Ring attention runs the backward once per key shard with the lse of the rows over every
+    # shard: P = exp(S - lse) is right there and a softmax over one shard's keys is not, so
+    # shards run kernel_backward even for rows with a huge lse (scores ~1e6 here, where the
+    # float32 lse carries ~6% in P: hence the tolerance); backward_cpu is for whole rows.
+    from npu_attn.attention import ops
+
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (5, 12, 12))
+    grad_out = torch.randn(1, 2, 5, 16, generator=gen)
+    out, lse = npu_attn.scaled_dot_product_attention(q, k, v, scale=1e6, return_lse=True)
+    assert (lse.abs() > 2**20).all()
+    flags = (False, 1e6, False)  # is_causal, scale, enable_gqa
+    whole = ops.backward_cpu(grad_out, q, k, v, None, out, lse, *flags)
+    shards = [
+        getattr(ops, backward)(grad_out, q, k[:, :, s], v[:, :, s], None, out, lse, *flags)
+        for s in (slice(0, 6), slice(6, 12))
+    ]
+    dv = torch.cat([shard[2] for shard in shards], dim=2)
+    close = max_err(dv, whole[2]) <= 0.15 * float(whole[2].abs().max())
+    assert close == (backward == "kernel_backward")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -12,7 +12,8 @@ Backward (FlashAttention-2's algorithm, never materialising Lq x Lk): the forwar
 per-row log-sum-exp, and ``backward_cpu`` runs the C++ tiled backward kernel
 (csrc/kernels/attention_backward_impl.h), which recomputes P = exp(S - lse) one
 (query tile x key tile) at a time and accumulates dQ, dK, dV in float32 with the forward's masks,
-causal flag, scale and GQA grouping.
+causal flag, scale and GQA grouping. Rows whose lse is too large for that (a whole row hidden
+by a torch.finfo(float32).min mask) get exact gradients from ``attention_backward`` instead.
 
 ``attention_backward`` is the same algorithm written with torch ops over query blocks. It is used
 where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
@@ -272,24 +273,37 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 
 # --------------------------------------------------------------------------- backward
-def _has_huge_lse(lse: Tensor) -> bool:
-    """Whether a row's finite log-sum-exp is beyond _HUGE_LSE in magnitude."""
-    return bool(((lse.abs() > _HUGE_LSE) & torch.isfinite(lse)).any())
+def _huge_rows(lse: Tensor) -> Tensor:
+    """The rows whose finite log-sum-exp is beyond _HUGE_LSE in magnitude (bool, lse's shape)."""
+    return (lse.abs() > _HUGE_LSE) & torch.isfinite(lse)
 
 
 def backward_cpu(
     grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
 ):
-    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtype (float32, bfloat16
-    or float16 read and written directly; the kernel accumulates in float32).
+    """dQ, dK, dV of the forward's rows, in the inputs' dtype: the C++ kernel's
+    (kernel_backward), except for rows whose lse is beyond _HUGE_LSE (rows a
+    torch.finfo(float32).min mask hides entirely, scores of ~1e6 and beyond), where the kernel's
+    exp(S - lse) fails: the kernel leaves those rows out and the torch-ops backward adds their
+    exact gradients, on their query positions only (_add_huge_rows)."""
+    huge = _huge_rows(lse)
+    if not bool(huge.any()):
+        return kernel_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale,
+                               enable_gqa, grad_lse)  # fmt: skip
+    tensors = (grad_out, query, key, value, attn_mask, out)
+    flags = (is_causal, scale, enable_gqa, grad_lse)
+    kernel_lse = lse.masked_fill(huge, -math.inf)  # the kernel skips rows of lse -inf
+    grads = kernel_backward(*tensors, kernel_lse, *flags)
+    return _add_huge_rows(grads, huge, *tensors, lse, *flags)
 
-    Calls with a row whose lse is beyond _HUGE_LSE (rows a torch.finfo(float32).min mask hides
-    entirely, scores of ~1e6 and beyond) take the torch-ops backward, which recomputes those
-    rows' softmax exactly: the kernel can only recompute probabilities as exp(S - lse)."""
-    if _has_huge_lse(lse):
-        tensors = (grad_out, query, key, value, attn_mask, out, lse)
-        grads = attention_backward(*tensors, is_causal, scale, enable_gqa, grad_lse=grad_lse)
-        return tuple(g.contiguous() for g in grads[:3])
+
+def kernel_backward(
+    grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
+):
+    """dQ, dK, dV from the C++ tiled backward kernel, in the inputs' dtype (float32, bfloat16
+    or float16 read and written directly; the kernel accumulates in float32). Probabilities
+    are recomputed as exp(S - lse): right for a key shard of ring attention, whose lse covers
+    every shard's keys, and for every row whose lse is within _HUGE_LSE (backward_cpu)."""
     mask = _kernel_mask(attn_mask)
     grad_q = torch.empty_like(query, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(key, memory_format=torch.contiguous_format)
@@ -317,6 +331,46 @@ def backward_cpu(
     return grad_q, grad_k, grad_v
 
 
+def _add_huge_rows(
+    grads, huge, grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, gqa, grad_lse
+):
+    """grads (the kernel's, without the `huge` rows) plus those rows' exact gradients from the
+    torch-ops backward, run on the query positions that hold one (any batch or head), with the
+    other rows' incoming gradients zeroed and is_causal folded into the mask."""
+    rows = huge.flatten(0, -2).any(0).nonzero().flatten()
+    keep = huge[..., rows]  # (B, H, R)
+    pick = (slice(None), slice(None), rows)
+    mask = attn_mask
+    if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1:
+        mask = mask[..., rows, :]
+    if is_causal:
+        visible = torch.arange(key.shape[-2], device=rows.device) <= rows[:, None]
+        if mask is None:
+            mask = visible
+        elif mask.dtype == torch.bool:
+            mask = mask & visible
+        else:
+            mask = mask.masked_fill(~visible, -math.inf)
+    exact = attention_backward(
+        grad_out[pick].masked_fill(~keep[..., None], 0),
+        query[pick],
+        key,
+        value,
+        mask,
+        out[pick],
+        lse[pick].masked_fill(~keep, -math.inf),
+        False,
+        scale,
+        gqa,
+        grad_lse=None if grad_lse is None else grad_lse[pick].masked_fill(~keep, 0),
+    )
+    dq, dk, dv = (g.float() for g in grads)
+    dq[pick] += exact[0].float()
+    dk += exact[1].float()
+    dv += exact[2].float()
+    return tuple(g.to(query.dtype) for g in (dq, dk, dv))
+
+
 @torch.library.custom_op("npu_attn::sdpa_backward", mutates_args=(), device_types="cpu")
 def sdpa_backward(
     grad_out: Tensor,
@@ -331,7 +385,8 @@ def sdpa_backward(
     scale: Optional[float],
     enable_gqa: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV (contiguous, in the inputs' dtypes) from the C++ tiled backward kernel."""
+    """dQ, dK, dV (contiguous, in the inputs' dtypes) from the C++ tiled backward kernel
+    (backward_cpu)."""
     return backward_cpu(
         grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse
     )
@@ -384,7 +439,7 @@ def attention_backward(
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     dmask = torch.zeros((b, hq, lq, lk), dtype=compute) if need_mask_grad else None
-    bytes_per_row = b * hq * max(lk, 1) * torch.finfo(compute).bits // 8 * 3
+    bytes_per_row = b * hq * max(lk, 1) * torch.finfo(compute).bits // 8 * 4
     block = max(1, min(lq, _BLOCK_BYTES // max(bytes_per_row, 1)))
     for i0 in range(0, lq, block):
         i1 = min(lq, i0 + block)
@@ -402,12 +457,14 @@ def attention_backward(
         # Fully masked rows (lse = -inf) have P = 0. Subtracting 0 there instead of -inf keeps
         # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.
         empty = torch.isneginf(row_lse)
-        probs = torch.exp(scores - row_lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
-        # Rows with a huge lse (_HUGE_LSE) take the exact softmax of their scores instead,
-        # which this block has whole; selected without a branch, so tracing stays static.
-        huge = (row_lse.abs() > _HUGE_LSE) & ~empty
-        exact = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
-        probs = torch.where(huge, exact, probs)
+        # Rows with a huge lse (_HUGE_LSE) are normalised from their own scores instead, which
+        # this block has whole: shifted by their maximum, divided by their sum. Selected
+        # without a branch (tracing stays static) and finite in every branch (no 0 x inf in a
+        # higher-order gradient).
+        huge = _huge_rows(row_lse)
+        shift = torch.where(huge, scores.amax(-1, keepdim=True), row_lse.masked_fill(empty, 0.0))
+        probs = torch.exp(scores - shift).masked_fill(empty, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True).masked_fill(~huge, 1.0)
         dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
         dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
         shift = delta[:, :, i0:i1, None]
