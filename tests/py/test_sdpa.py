@@ -5,6 +5,7 @@ Error bound used throughout (float32 kernel): max|out - ref64| <= 1e-5 * max(1, 
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -270,6 +271,42 @@ def test_min_float_padding_masks_have_exact_gradients(dtype, mask_grad, causal_g
         *(x.clone().requires_grad_() for x in (q, k, v)),
         mask=mask.clone().requires_grad_(mask_grad),
     )
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, o, r in zip("qkv", ours, ref):
+        assert torch.isfinite(o).all(), name
+        assert max_err(o, r) <= tolerance * max(1.0, float(r.abs().max())), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_left_padding_with_causal_and_lse_gradients_is_exact(dtype):
+    # A decoder's batch with left padding: batch 0's first two keys are padding (a finfo.min
+    # key mask), so with is_causal its first two queries see nothing else (rows with a huge
+    # lse) while batch 1's rows at the same positions are ordinary; the loss also uses the
+    # lse, so the backward gets grad_lse. Reference: the softmax written out in float64.
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 2, 6, 16, generator=gen).to(dtype) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 6)
+    mask[0, ..., :2] = torch.finfo(torch.float32).min
+    grad_out = torch.randn(2, 2, 6, 16, generator=gen)
+    grad_lse = torch.randn(2, 2, 6, generator=gen)
+
+    def loss(out, lse):
+        return (out.double() * grad_out).sum() + (lse.double() * grad_lse).sum()
+
+    inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = npu_attn.scaled_dot_product_attention(
+        *inputs, attn_mask=mask, is_causal=True, return_lse=True
+    )
+    ours = torch.autograd.grad(loss(out, lse), inputs)
+    inputs64 = [x.double().requires_grad_() for x in (q, k, v)]
+    scores = inputs64[0] @ inputs64[1].transpose(-1, -2) / 4.0 + mask.double()
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
+    ref_out = torch.softmax(scores, -1) @ inputs64[2]
+    # logsumexp written out around the detached row maximum: torch.logsumexp's own backward
+    # reads exp(S - lse) and has the rounding problem under test, even in float64
+    top = scores.amax(-1, keepdim=True).detach()
+    ref_lse = (top + torch.exp(scores - top).sum(-1, keepdim=True).log()).squeeze(-1)
+    ref = torch.autograd.grad(loss(ref_out, ref_lse), inputs64)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for name, o, r in zip("qkv", ours, ref):
         assert torch.isfinite(o).all(), name

@@ -336,7 +336,9 @@ def _add_huge_rows(
 ):
     """grads (the kernel's, without the `huge` rows) plus those rows' exact gradients from the
     torch-ops backward, run on the query positions that hold one (any batch or head), with the
-    other rows' incoming gradients zeroed and is_causal folded into the mask."""
+    other rows' incoming gradients and outputs zeroed and is_causal folded into the mask. The
+    torch-ops backward gets float32 inputs (exact copies), so its gradients come back in
+    float32 and are rounded once, with the kernel's, to the inputs' dtype."""
     rows = huge.flatten(0, -2).any(0).nonzero().flatten()
     keep = huge[..., rows]  # (B, H, R)
     pick = (slice(None), slice(None), rows)
@@ -351,13 +353,14 @@ def _add_huge_rows(
             mask = mask & visible
         else:
             mask = mask.masked_fill(~visible, -math.inf)
+    f32 = torch.float32
     exact = attention_backward(
-        grad_out[pick].masked_fill(~keep[..., None], 0),
-        query[pick],
-        key,
-        value,
+        grad_out[pick].to(f32).masked_fill(~keep[..., None], 0),
+        query[pick].to(f32),
+        key.to(f32),
+        value.to(f32),
         mask,
-        out[pick],
+        out[pick].to(f32).masked_fill(~keep[..., None], 0),
         lse[pick].masked_fill(~keep, -math.inf),
         False,
         scale,
@@ -365,9 +368,9 @@ def _add_huge_rows(
         grad_lse=None if grad_lse is None else grad_lse[pick].masked_fill(~keep, 0),
     )
     dq, dk, dv = (g.float() for g in grads)
-    dq[pick] += exact[0].float()
-    dk += exact[1].float()
-    dv += exact[2].float()
+    dq.index_add_(2, rows, exact[0])
+    dk += exact[1]
+    dv += exact[2]
     return tuple(g.to(query.dtype) for g in (dq, dk, dv))
 
 

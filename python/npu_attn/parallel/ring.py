@@ -181,7 +181,8 @@ def _ring_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
         causal = _block_causal(layout, block)
         if causal is not None:
             block_mask = key_columns(mask, layout, block)
-            # the kernel alone: lse is the rows' over every shard, so exp(S - lse) is right
+            # the kernel alone: lse covers the rows' keys in every shard, so exp(S - lse) is
+            # right (except for rows a finfo.min mask hides in every shard: a known limit)
             dq, dk, dv = ops.kernel_backward(
                 grad_out, query, k_cur, v_cur, block_mask, out, lse,
                 causal, layout.scale, layout.enable_gqa, grad_lse,
