@@ -336,7 +336,7 @@ def _add_huge_rows(
 ):
     """grads (the kernel's, without the `huge` rows) plus those rows' exact gradients from the
     torch-ops backward, run on the query positions that hold one (any batch or head), with the
-    other rows' incoming gradients and outputs zeroed and is_causal folded into the mask. The
+    other rows' incoming gradients and outputs zeroed (is_causal from the rows' positions). The
     torch-ops backward gets float32 inputs (exact copies), so its gradients come back in
     float32 and are rounded once, with the kernel's, to the inputs' dtype."""
     rows = huge.flatten(0, -2).any(0).nonzero().flatten()
@@ -345,14 +345,6 @@ def _add_huge_rows(
     mask = attn_mask
     if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1:
         mask = mask[..., rows, :]
-    if is_causal:
-        visible = torch.arange(key.shape[-2], device=rows.device) <= rows[:, None]
-        if mask is None:
-            mask = visible
-        elif mask.dtype == torch.bool:
-            mask = mask & visible
-        else:
-            mask = mask.masked_fill(~visible, -math.inf)
     f32 = torch.float32
     exact = attention_backward(
         grad_out[pick].to(f32).masked_fill(~keep[..., None], 0),
@@ -362,10 +354,11 @@ def _add_huge_rows(
         mask,
         out[pick].to(f32).masked_fill(~keep[..., None], 0),
         lse[pick].masked_fill(~keep, -math.inf),
-        False,
+        is_causal,
         scale,
         gqa,
         grad_lse=None if grad_lse is None else grad_lse[pick].masked_fill(~keep, 0),
+        query_positions=rows,
     )
     dq, dk, dv = (g.float() for g in grads)
     dq.index_add_(2, rows, exact[0])
@@ -422,10 +415,12 @@ def attention_backward(
     enable_gqa,
     need_mask_grad=False,
     grad_lse=None,
+    query_positions=None,
 ):
     """dQ, dK, dV (and d(mask)) of softmax(Q K^T * scale + mask) V, recomputed per query block
-    from the saved log-sum-exp; ``grad_lse`` is the gradient of the lse output, if used.
-    Computes in float32 (float64 inputs stay float64)."""
+    from the saved log-sum-exp; ``grad_lse`` is the gradient of the lse output, if used;
+    ``query_positions``: where the given query rows sit in the sequence, for ``is_causal``
+    (default 0, 1, ...: every row). Computes in float32 (float64 inputs stay float64)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, hq, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
@@ -454,8 +449,9 @@ def attention_backward(
             else:
                 scores = scores + m.to(compute)
         if is_causal:
-            rows = torch.arange(i0, i1).view(-1, 1)
-            scores = scores.masked_fill(torch.arange(lk).view(1, -1) > rows, float("-inf"))
+            rows = torch.arange(i0, i1) if query_positions is None else query_positions[i0:i1]
+            hidden = torch.arange(lk).view(1, -1) > rows.view(-1, 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
         row_lse = lse[:, :, i0:i1, None]
         # Fully masked rows (lse = -inf) have P = 0. Subtracting 0 there instead of -inf keeps
         # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.
@@ -465,8 +461,8 @@ def attention_backward(
         # without a branch (tracing stays static) and finite in every branch (no 0 x inf in a
         # higher-order gradient).
         huge = _huge_rows(row_lse)
-        shift = torch.where(huge, scores.amax(-1, keepdim=True), row_lse.masked_fill(empty, 0.0))
-        probs = torch.exp(scores - shift).masked_fill(empty, 0.0)
+        row_shift = torch.where(huge, scores.amax(-1, keepdim=True), row_lse.masked_fill(empty, 0))
+        probs = torch.exp(scores - row_shift).masked_fill(empty, 0.0)
         probs = probs / probs.sum(-1, keepdim=True).masked_fill(~huge, 1.0)
         dv += torch.matmul(probs.transpose(-1, -2), do[:, :, i0:i1])
         dp = torch.matmul(do[:, :, i0:i1], v.transpose(-1, -2))
