@@ -180,6 +180,35 @@ def _local_rows(mask):
     return shard(mask, (8, 8), dim=-2)
 
 
+def _min_float_masks(b, h, length):
+    """Additive masks with torch.finfo(float32).min, the padding value of many pipelines: rows
+    it hides in every shard (uniform attention over all keys in one call), rows it hides in the
+    first shard only, and a key padding that hides the second shard entirely in one sample."""
+    lowest = torch.finfo(torch.float32).min
+    rows = torch.zeros(b, h, length, length)
+    rows[0, :, 2] = lowest  # every key of this query, on every head
+    rows[1, 1, 11] = lowest  # the same on one head of the second shard's rows
+    rows[:, 0, 5, : length // 2] = lowest  # the first shard's keys only
+    padding = torch.zeros(b, 1, 1, length)
+    padding[1, ..., length // 2 :] = lowest
+    return {"rows": rows, "rows + padding": rows + padding, "padding": padding}
+
+
+@check("core")
+def min_float_masks_match_single_process():
+    """A finfo.min mask rounds the hidden rows' lse to -FLT_MAX in every shard, where their
+    key counts are lost: the merge must weigh each shard by its own row sum, not by 1."""
+    for method, fn in METHODS.items():
+        q, k, v = full_inputs(length=16)
+        for name, mask in _min_float_masks(2, 4, 16).items():
+            for causal in (False, True):
+                sharded, reference = run_both(fn, q, k, v, (8, 8), mask, is_causal=causal)
+                what = f"{method} finfo.min mask={name} causal={causal}"
+                assert_close(sharded, reference, 2e-5, what)
+                exact = shard(reference64(q, k, v, mask, is_causal=causal), (8, 8))
+                assert max_abs(sharded[0], exact) <= 2e-5, what
+
+
 @check("core")
 def grouped_query_attention_is_sharded_too():
     q, _, _ = full_inputs(hq=4)

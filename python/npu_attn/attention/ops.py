@@ -278,6 +278,36 @@ def _huge_rows(lse: Tensor) -> Tensor:
     return (lse.abs() > _HUGE_LSE) & torch.isfinite(lse)
 
 
+def _rows_with(huge: Tensor) -> Tensor:
+    """The query positions (the last dim of ``huge``) where some batch or head has a huge row."""
+    return huge.flatten(0, -2).any(0).nonzero().flatten()
+
+
+def split_lse(query, key, attn_mask, lse, is_causal, scale, enable_gqa) -> tuple[Tensor, Tensor]:
+    """(shift, rel) with lse = shift + rel, for merging partial results (ring attention):
+    shift is 0 and rel the lse on every row but the huge ones (_HUGE_LSE), whose log-sum float32
+    has rounded away beside the row maximum (a row a torch.finfo(float32).min mask hides:
+    lse = -FLT_MAX + log n = -FLT_MAX). Those get shift = their largest scaled score and
+    rel = log(sum(exp(score - shift))), from scores recomputed with torch ops on the query
+    positions that hold one."""
+    huge = _huge_rows(lse)
+    shift = torch.zeros_like(lse)
+    if not bool(huge.any()):
+        return shift, lse
+    rows = _rows_with(huge)
+    group = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1) if enable_gqa and group > 1 else key.float()
+    mask = None if attn_mask is None else _mask_rows_at(attn_mask, rows)
+    scores = masked_scores(query[:, :, rows].float(), k, mask, is_causal, scale, rows)
+    top = scores.amax(-1)
+    row_rel = torch.exp(scores - top.unsqueeze(-1)).sum(-1).log()
+    keep = huge[..., rows]
+    shift[..., rows] = torch.where(keep, top, 0.0)
+    rel = lse.clone()
+    rel[..., rows] = torch.where(keep, row_rel, lse[..., rows])
+    return shift, rel
+
+
 def backward_cpu(
     grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, grad_lse=None
 ):
@@ -285,7 +315,7 @@ def backward_cpu(
     (kernel_backward), except for rows whose lse is beyond _HUGE_LSE (rows a
     torch.finfo(float32).min mask hides entirely, scores of ~1e6 and beyond), where the kernel's
     exp(S - lse) fails: the kernel leaves those rows out and the torch-ops backward adds their
-    exact gradients, on their query positions only (_add_huge_rows)."""
+    exact gradients, on their query positions only (add_huge_rows)."""
     huge = _huge_rows(lse)
     if not bool(huge.any()):
         return kernel_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale,
@@ -294,7 +324,7 @@ def backward_cpu(
     flags = (is_causal, scale, enable_gqa, grad_lse)
     kernel_lse = lse.masked_fill(huge, -math.inf)  # the kernel skips rows of lse -inf
     grads = kernel_backward(*tensors, kernel_lse, *flags)
-    return _add_huge_rows(grads, huge, *tensors, lse, *flags)
+    return add_huge_rows(grads, huge, *tensors, lse, *flags)
 
 
 def kernel_backward(
@@ -331,20 +361,33 @@ def kernel_backward(
     return grad_q, grad_k, grad_v
 
 
-def _add_huge_rows(
-    grads, huge, grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, gqa, grad_lse
+def add_huge_rows(
+    grads,
+    huge,
+    grad_out,
+    query,
+    key,
+    value,
+    attn_mask,
+    out,
+    lse,
+    is_causal,
+    scale,
+    gqa,
+    grad_lse,
+    lse_shift=None,
 ):
     """grads (the kernel's, without the `huge` rows) plus those rows' exact gradients from the
     torch-ops backward, run on the query positions that hold one (any batch or head), with the
     other rows' incoming gradients and outputs zeroed (is_causal from the rows' positions). The
     torch-ops backward gets float32 inputs (exact copies), so its gradients come back in
-    float32 and are rounded once, with the kernel's, to the inputs' dtype."""
-    rows = huge.flatten(0, -2).any(0).nonzero().flatten()
+    float32 and are rounded once, with the kernel's, to the inputs' dtype. ``lse_shift``: the
+    shift of split_lse (then ``lse`` is its rel), for rows normalised over more keys than
+    ``key`` holds (a key shard of ring attention)."""
+    rows = _rows_with(huge)
     keep = huge[..., rows]  # (B, H, R)
     pick = (slice(None), slice(None), rows)
-    mask = attn_mask
-    if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1:
-        mask = mask[..., rows, :]
+    mask = None if attn_mask is None else _mask_rows_at(attn_mask, rows)
     f32 = torch.float32
     exact = attention_backward(
         grad_out[pick].to(f32).masked_fill(~keep[..., None], 0),
@@ -359,6 +402,7 @@ def _add_huge_rows(
         gqa,
         grad_lse=None if grad_lse is None else grad_lse[pick].masked_fill(~keep, 0),
         query_positions=rows,
+        lse_shift=None if lse_shift is None else lse_shift[pick].masked_fill(~keep, 0),
     )
     dq, dk, dv = (g.float() for g in grads)
     dq.index_add_(2, rows, exact[0])
@@ -402,6 +446,30 @@ def _mask_rows(attn_mask, i0, i1):
     return attn_mask
 
 
+def _mask_rows_at(attn_mask, rows):
+    """The query rows ``rows`` (a 1-D index tensor) of a mask broadcastable to (B, H, Lq, Lk)."""
+    if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1:
+        return attn_mask[..., rows, :]
+    return attn_mask
+
+
+def masked_scores(q, k, attn_mask, is_causal, scale, positions):
+    """q k^T * scale plus ``attn_mask`` (bool: False hides; float: added), with the keys after
+    each query hidden when ``is_causal``; ``positions``: the query rows' places in the
+    sequence. Computes in q's dtype; ``scale`` None means 1/sqrt(head dim)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    if is_causal:
+        hidden = torch.arange(k.shape[-2]).view(1, -1) > positions.view(-1, 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
 def attention_backward(
     grad_out,
     query,
@@ -416,11 +484,14 @@ def attention_backward(
     need_mask_grad=False,
     grad_lse=None,
     query_positions=None,
+    lse_shift=None,
 ):
     """dQ, dK, dV (and d(mask)) of softmax(Q K^T * scale + mask) V, recomputed per query block
     from the saved log-sum-exp; ``grad_lse`` is the gradient of the lse output, if used;
     ``query_positions``: where the given query rows sit in the sequence, for ``is_causal``
-    (default 0, 1, ...: every row). Computes in float32 (float64 inputs stay float64)."""
+    (default 0, 1, ...: every row); ``lse_shift``: split_lse's shift, subtracted from each
+    row's scores (``lse`` is then split_lse's rel). Computes in float32 (float64 inputs stay
+    float64)."""
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     b, hq, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
@@ -441,17 +512,11 @@ def attention_backward(
     block = max(1, min(lq, _BLOCK_BYTES // max(bytes_per_row, 1)))
     for i0 in range(0, lq, block):
         i1 = min(lq, i0 + block)
-        scores = torch.matmul(q[:, :, i0:i1], k.transpose(-1, -2)) * scale
-        if attn_mask is not None:
-            m = _mask_rows(attn_mask, i0, i1)
-            if m.dtype == torch.bool:
-                scores = scores.masked_fill(~m, float("-inf"))
-            else:
-                scores = scores + m.to(compute)
-        if is_causal:
-            rows = torch.arange(i0, i1) if query_positions is None else query_positions[i0:i1]
-            hidden = torch.arange(lk).view(1, -1) > rows.view(-1, 1)
-            scores = scores.masked_fill(hidden, float("-inf"))
+        rows = torch.arange(i0, i1) if query_positions is None else query_positions[i0:i1]
+        m = None if attn_mask is None else _mask_rows(attn_mask, i0, i1)
+        scores = masked_scores(q[:, :, i0:i1], k, m, is_causal, scale, rows)
+        if lse_shift is not None:
+            scores = scores - lse_shift[:, :, i0:i1, None].to(compute)
         row_lse = lse[:, :, i0:i1, None]
         # Fully masked rows (lse = -inf) have P = 0. Subtracting 0 there instead of -inf keeps
         # NaN (-inf - -inf) out of the values and out of the graph of a higher-order gradient.

@@ -112,17 +112,28 @@ def _block_causal(layout: Layout, block: int) -> Optional[bool]:
 
 
 # --------------------------------------------------------------------------- forward
-def _merge(acc: Optional[tuple[Tensor, Tensor]], out: Tensor, lse: Tensor):
-    """Fold one block's (out, lse) into the running float32 (out, lse). Rows with no key yet
-    (lse = -inf on both sides) stay 0 with lse -inf, as the kernel returns them."""
+def _merge(acc: Optional[tuple[Tensor, Tensor, Tensor]], out: Tensor, shift: Tensor, rel: Tensor):
+    """Fold one block's (out, lse = shift + rel) into the running float32 (out, shift, rel).
+
+    The lse travels split (ops.split_lse): a row a torch.finfo(float32).min mask hides in a
+    block has lse = -FLT_MAX + log(its key count), which float32 rounds to -FLT_MAX, so merging
+    lse alone would weigh every such block 1 and sum their outputs; shift (the row's largest
+    score) and rel (log of its sum below that) keep the counts. Rows with no key yet (rel -inf)
+    take no part in the shift and stay 0 with rel -inf, as the kernel returns them."""
     if acc is None:
-        return out.float(), lse.clone()
-    acc_out, acc_lse = acc
-    new_lse = torch.logaddexp(acc_lse, lse)
-    safe = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
-    acc_out = acc_out * torch.exp(acc_lse - safe).unsqueeze(-1)
-    acc_out += out.float() * torch.exp(lse - safe).unsqueeze(-1)
-    return acc_out, new_lse
+        return out.float(), shift, rel
+    acc_out, acc_shift, acc_rel = acc
+    empty, acc_empty = torch.isneginf(rel), torch.isneginf(acc_rel)
+    top = torch.where(
+        acc_empty, shift, torch.where(empty, acc_shift, torch.maximum(acc_shift, shift))
+    )
+    acc_rel = acc_rel + (acc_shift - top)  # both relative to `top` now
+    rel = rel + (shift - top)
+    new_rel = torch.logaddexp(acc_rel, rel)
+    safe = new_rel.masked_fill(torch.isneginf(new_rel), 0.0)
+    acc_out = acc_out * torch.exp(acc_rel - safe).unsqueeze(-1)
+    acc_out += out.float() * torch.exp(rel - safe).unsqueeze(-1)
+    return acc_out, top, new_rel
 
 
 def _pass_on(
@@ -139,8 +150,9 @@ def _next_shapes(key: Tensor, value: Tensor, layout: Layout, step: int):
     return _kv_shapes(key, value, layout.k_sizes[_block_of(layout, step + 1)])
 
 
-def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tensor]:
-    """This rank's (out, float32 lse): its query shard against every key/value shard."""
+def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's (out, float32 shift, float32 rel), lse = shift + rel (ops.split_lse): its
+    query shard against every key/value shard."""
     acc = None
     k_cur, v_cur = key, value
     for step in range(layout.world):
@@ -152,21 +164,25 @@ def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tens
         causal = _block_causal(layout, block)
         if causal is not None:
             block_mask = key_columns(mask, layout, block)
-            out, lse = ops.forward_cpu(
-                query, k_cur, v_cur, block_mask, causal, layout.scale, layout.enable_gqa
-            )
-            acc = _merge(acc, out, lse)
+            flags = (causal, layout.scale, layout.enable_gqa)
+            out, lse = ops.forward_cpu(query, k_cur, v_cur, block_mask, *flags)
+            acc = _merge(acc, out, *ops.split_lse(query, k_cur, block_mask, lse, *flags))
         if receive is not None:
             k_cur, v_cur = receive()
-    out, lse = acc  # block `rank` is never skipped, so acc is set
-    return out.to(query.dtype), lse
+    out, shift, rel = acc  # block `rank` is never skipped, so acc is set
+    return out.to(query.dtype), shift, rel
 
 
 def _ring_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
     """(dQ, dK, dV) of this rank's shards: each block's gradient from the saved global output
     and lse; dK/dV accumulate in float32 while travelling with their shard."""
-    query, key, value, mask, out, lse = ctx.saved_tensors
+    query, key, value, mask, out, shift, rel = ctx.saved_tensors
     layout: Layout = ctx.layout
+    # Rows with a shift (ops.split_lse) are left out of the kernel, whose exp(S - lse) cannot
+    # recover them, and get exact gradients from the torch-ops backward on their positions.
+    huge = shift != 0
+    any_huge = bool(huge.any())
+    kernel_lse = (shift + rel).masked_fill(huge, -math.inf)
     grad_q = torch.zeros(query.shape, dtype=torch.float32)
     k_cur, v_cur = key, value
     # The dK/dV accumulators travel with their key/value shard and reach its owner at the end.
@@ -181,12 +197,13 @@ def _ring_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
         causal = _block_causal(layout, block)
         if causal is not None:
             block_mask = key_columns(mask, layout, block)
-            # the kernel alone: lse covers the rows' keys in every shard, so exp(S - lse) is
-            # right (except for rows a finfo.min mask hides in every shard: a known limit)
-            dq, dk, dv = ops.kernel_backward(
-                grad_out, query, k_cur, v_cur, block_mask, out, lse,
-                causal, layout.scale, layout.enable_gqa, grad_lse,
-            )  # fmt: skip
+            # lse covers the rows' keys in every shard, so exp(S - lse) is this block's P
+            tensors = (grad_out, query, k_cur, v_cur, block_mask, out)
+            flags = (causal, layout.scale, layout.enable_gqa, grad_lse)
+            grads = ops.kernel_backward(*tensors, kernel_lse, *flags)
+            if any_huge:
+                grads = ops.add_huge_rows(grads, huge, *tensors, rel, *flags, lse_shift=shift)
+            dq, dk, dv = grads
             grad_q += dq
             acc_k += dk
             acc_v += dv
@@ -204,11 +221,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, layout):
-        out, lse = _ring_forward(query, key, value, mask, layout)
-        ctx.save_for_backward(query, key, value, mask, out, lse)
+        out, shift, rel = _ring_forward(query, key, value, mask, layout)
+        ctx.save_for_backward(query, key, value, mask, out, shift, rel)
         ctx.layout = layout
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, shift + rel
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
