@@ -192,7 +192,11 @@ AttentionParams make_attention_params(const SdpaArguments& args) {
     }
   }
 
-  check_tensor(args.out, "out", 4, "(batch, heads, L_q, head_dim_v)", dtype, like_query);
+  // A 16-bit call may keep its output in float32 (AttentionParams::out_float32).
+  const bool out_float32 = dtype != DType::kFloat32 && args.out.dtype == DType::kFloat32;
+  check_tensor(args.out, "out", 4, "(batch, heads, L_q, head_dim_v)",
+               out_float32 ? DType::kFloat32 : dtype,
+               dtype == DType::kFloat32 ? like_query : " (the same dtype as query, or float32)");
   check_shape(args.out, "out", {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   check_writable(args.out, "out");
   if (args.lse) {
@@ -231,6 +235,7 @@ AttentionParams make_attention_params(const SdpaArguments& args) {
   copy4(p.q_stride, args.query.strides);
   copy4(p.k_stride, args.key.strides);
   copy4(p.v_stride, args.value.strides);
+  p.out_float32 = out_float32;
   copy4(p.out_stride, args.out.strides);
   if (args.attn_mask) set_mask(*args.attn_mask, p, p);
   p.is_causal = args.is_causal;

@@ -44,7 +44,7 @@ struct SdpaArguments {
   TensorView key;                       // (B, Hkv, Lk, D)
   TensorView value;                     // (B, Hkv, Lk, Dv)
   std::optional<TensorView> attn_mask;  // bool or float32, broadcastable to (B, Hq, Lq, Lk)
-  TensorView out;                       // (B, Hq, Lq, Dv) query's dtype, written
+  TensorView out;                       // (B, Hq, Lq, Dv) query's dtype or float32, written
   std::optional<TensorView> lse;        // (B, Hq, Lq) float32, written
   std::optional<double> scale;          // default 1/sqrt(D)
   bool is_causal = false;

@@ -16,8 +16,9 @@ enum class MaskKind : int32_t {
   kAdditive = 2,  // float32, added to the scaled scores
 };
 
-// The element type of q, k, v and out (and of the backward's gradients): all the same. The
-// kernels compute in float32 whatever it is. lse is always float32.
+// The element type of q, k, v and out (and of the backward's gradients): all the same, except
+// that a 16-bit call may write out in float32 (out_float32). The kernels compute in float32
+// whatever it is. lse is always float32.
 enum class ElementType : int32_t {
   kFloat32 = 0,
   kBFloat16 = 1,
@@ -31,6 +32,10 @@ struct AttentionParams {
   const void* v = nullptr;  // (batch, heads_kv, len_k, head_dim_v)
   void* out = nullptr;      // (batch, heads_q, len_q, head_dim_v)
   ElementType element = ElementType::kFloat32;
+  // out is float32 whatever `element` is: a 16-bit forward whose backward will follow keeps
+  // the unrounded output, from which the backward's Delta = rowsum(dO * O) is exact (from the
+  // 16-bit output its rounding dominates dS where softmaxes are sharp).
+  bool out_float32 = false;
   float* lse = nullptr;  // optional (batch, heads_q, len_q): log-sum-exp of scaled scores
   const void* mask = nullptr;
   MaskKind mask_kind = MaskKind::kNone;  // an additive mask is float32 whatever `element` is

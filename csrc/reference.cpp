@@ -114,7 +114,8 @@ void attention_reference(const AttentionParams& p) {
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.heads_q; ++h) {
       const ReferenceHead r = reference_head(p, b, h);
-      store_matrix(r.P * r.V, p.out, p.element, b * p.out_stride[0] + h * p.out_stride[1],
+      const ElementType out_type = p.out_float32 ? ElementType::kFloat32 : p.element;
+      store_matrix(r.P * r.V, p.out, out_type, b * p.out_stride[0] + h * p.out_stride[1],
                    p.out_stride[2], p.out_stride[3]);
       if (p.lse) {
         for (int64_t i = 0; i < p.len_q; ++i) {

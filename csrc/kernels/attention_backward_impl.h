@@ -42,6 +42,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../attention_params.h"
 #include "../workspace.h"
@@ -225,16 +226,17 @@ struct TileCoords {
   int64_t k0, keys, key_vecs;  // key tile; key_vecs = ceil(keys / kLanes)
 };
 
-// Delta_i = sum_c dO[i][c] * O[i][c] - dlse_i for every (batch, head, query), into `delta`.
-template <typename T>
-void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* delta) {
+// Delta_i = sum_c dO[i][c] * O[i][c] - dlse_i for every (batch, head, query), into `delta`;
+// O of element type O_T (T, or float32: AttentionParams::out_float32), dO of T.
+template <typename O_T, typename T>
+void compute_delta_row_as(const AttentionBackwardParams& bp, int64_t bh, float* delta) {
   const AttentionParams& p = bp.fwd;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const T* o = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1];
+  const O_T* o = static_cast<const O_T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1];
   const T* g =
       static_cast<const T*>(bp.grad_out) + b * bp.grad_out_stride[0] + h * bp.grad_out_stride[1];
   for (int64_t i = 0; i < p.len_q; ++i) {
-    const T* oi = o + i * p.out_stride[2];
+    const O_T* oi = o + i * p.out_stride[2];
     const T* gi = g + i * bp.grad_out_stride[2];
     float sum = 0.0f;
     int64_t c = 0;
@@ -252,6 +254,14 @@ void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* del
     }
     delta[bh * p.len_q + i] = sum;
   }
+}
+
+template <typename T>
+void compute_delta_row(const AttentionBackwardParams& bp, int64_t bh, float* delta) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (bp.fwd.out_float32) return compute_delta_row_as<float, T>(bp, bh, delta);
+  }
+  compute_delta_row_as<T, T>(bp, bh, delta);
 }
 
 // Adds the user's mask (and causal masking) to the scores of one tile: row i = query q0 + i,

@@ -31,6 +31,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../attention_params.h"
 #include "../system_info.h"
@@ -666,8 +667,8 @@ void softmax_update(const AttentionParams& p, int64_t ld, int64_t keys, ThreadSc
 // spilled more in the unrolled transposes (bfloat16 write_output: 1140 instead of 985
 // instructions).
 template <typename T>
-void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
-                  const ThreadScratch& ws) {
+void write_output_as(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
+                     const ThreadScratch& ws) {
   T* out_head = static_cast<T*>(p.out) + tile.batch * p.out_stride[0] + tile.head * p.out_stride[1];
   T* out_rows = out_head + tile.q0 * p.out_stride[2];
   const int64_t sc = p.out_stride[3], si = p.out_stride[2];
@@ -702,6 +703,17 @@ void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling&
       lse[(tile.q0 + i) * p.lse_stride[2]] = inv == 0.0f ? kNegInf : ws.m[i] - __builtin_logf(inv);
     }
   }
+}
+
+// The tile's output in the call's element type, or in float32 where a 16-bit call keeps its
+// unrounded output for the backward (AttentionParams::out_float32).
+template <typename T>
+void write_output(const AttentionParams& p, const QueryTile& tile, const Tiling& t,
+                  const ThreadScratch& ws) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.out_float32) return write_output_as<float>(p, tile, t, ws);
+  }
+  write_output_as<T>(p, tile, t, ws);
 }
 
 // K and V rows of one (batch, kv-head) pair: in the caller's tensors or in the packed copy.

@@ -187,6 +187,27 @@ void expect_backward_matches_reference(const Problem& pr, const Case& c, DType d
   }
 }
 
+// A 16-bit call may write its output in float32 (AttentionParams::out_float32, which a backward
+// reads for Delta = rowsum(dO * O)): the same values before their one rounding, so narrowed to
+// the 16-bit type they are the 16-bit output bit for bit; the backward reading them matches
+// the reference.
+void expect_float32_output_is_the_unrounded_one(Problem& pr, const Case& c, DType dtype,
+                                                const ForwardKernel& kernel,
+                                                const BackwardKernel& backward) {
+  HalfForward f;
+  expect_forward_matches_reference(pr, dtype, kernel, f);
+  FloatTensor out32 = pr.out;
+  for (auto& x : out32.storage) x = NAN;  // an element the kernel does not write shows
+  HalfForward f32;
+  f32.args = f.args;  // f's 16-bit inputs
+  f32.args.out = out32.view(DType::kFloat32);
+  const AttentionParams params = make_attention_params(f32.args);
+  ASSERT_TRUE(params.out_float32);
+  kernel(params);
+  EXPECT_EQ(narrow(out32, dtype).storage, f.out.storage);
+  expect_backward_matches_reference(pr, c, dtype, f32, backward);
+}
+
 TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (const Case& c : low_precision_shapes()) {
@@ -196,6 +217,18 @@ TEST_P(LowPrecision, ForwardAndBackwardMatchTheReference) {
       HalfForward f;
       expect_forward_matches_reference(pr, dtype, variant_forward(GetParam()), f);
       expect_backward_matches_reference(pr, c, dtype, f, variant_backward(GetParam()));
+    }
+  }
+}
+
+TEST_P(LowPrecision, Float32OutputIsTheUnroundedOutput) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (const Case& c : low_precision_shapes()) {
+      SCOPED_TRACE(c.describe() + " " + dtype_name(dtype) + " isa=" + isa_name(GetParam()));
+      Problem pr;
+      build(c, pr, 7);
+      expect_float32_output_is_the_unrounded_one(pr, c, dtype, variant_forward(GetParam()),
+                                                 variant_backward(GetParam()));
     }
   }
 }
@@ -370,6 +403,9 @@ TEST_F(EmulatedAmx, ForwardAndBackwardMatchTheReferenceInBfloat16) {
     HalfForward f;
     expect_forward_matches_reference(pr, DType::kBFloat16, kernel_, f);
     expect_backward_matches_reference(pr, c, DType::kBFloat16, f, backward_);
+    Problem again;
+    build(c, again, 7);
+    expect_float32_output_is_the_unrounded_one(again, c, DType::kBFloat16, kernel_, backward_);
   }
   expect_query_group_shapes_match(kernel_, "emulated AMX");
 }

@@ -67,6 +67,19 @@ TEST(Validation, AcceptsSixteenBitTypesWhenEveryTensorAgrees) {
     const AttentionParams p = make_attention_params(valid.args);
     EXPECT_EQ(p.element,
               dtype == DType::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16);
+    EXPECT_FALSE(p.out_float32);
+    valid.args.out.dtype = DType::kFloat32;  // a 16-bit call's float32 output, for a backward
+    EXPECT_TRUE(make_attention_params(valid.args).out_float32);
+    valid.args.out.dtype = dtype == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    try {
+      make_attention_params(valid.args);
+      ADD_FAILURE() << "an out of the other 16-bit type was accepted";
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()), std::string("out must be ") + dtype_name(dtype) +
+                                           " (the same dtype as query, or float32), got " +
+                                           dtype_name(valid.args.out.dtype));
+    }
+    valid.args.out.dtype = dtype;
     valid.args.key.dtype = DType::kFloat32;
     EXPECT_THROW(make_attention_params(valid.args), ArgumentError);
   }

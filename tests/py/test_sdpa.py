@@ -313,6 +313,42 @@ def test_left_padding_with_causal_and_lse_gradients_is_exact(dtype):
         assert max_err(o, r) <= tolerance * max(1.0, float(r.abs().max())), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_16bit_gradients_read_the_unrounded_output(dtype, path):
+    # Delta = rowsum(dO * O) meets dP in dS = P * (dP - Delta), a difference of nearly equal
+    # terms where a softmax is sharp: from the 16-bit output, its rounding dominates dQ and dK
+    # (FlashAttention-2's and torch's CPU flash backward's error). The forward keeps a float32
+    # output for the backward; the same kernel fed the 16-bit output is the comparison.
+    from npu_attn.attention import ops
+
+    scale, errors = 5.0, {"float32 output": [0.0, 0.0], "16-bit output": [0.0, 0.0]}
+    saved = []  # what autograd keeps for the backward
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        q = (torch.randn(2, 4, 96, 8, generator=gen) * 4).to(dtype)  # sharp softmaxes
+        k, v, grad_out = (torch.randn(2, 4, 96, 8, generator=gen).to(dtype) for _ in range(3))
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            if path == "eager":
+                out = npu_attn.scaled_dot_product_attention(*inputs, scale=scale, backend="tiled")
+            else:  # the registered op, as under torch.compile
+                out = ops.op_forward_with_grad(*inputs, None, False, scale, False)[0]
+        assert out.dtype == dtype
+        assert any(t.dtype == torch.float32 and t.shape == out.shape for t in saved)
+        ours = torch.autograd.grad(out, inputs, grad_out)
+        x64 = [x.double().requires_grad_() for x in (q, k, v)]
+        ref = torch.autograd.grad(reference_sdpa(*x64, scale=scale), x64, grad_out.double())
+        out16, lse = ops.forward_cpu(q, k, v, None, False, scale, False)
+        rounded = ops.kernel_backward(grad_out, q, k, v, None, out16, lse, False, scale, False)
+        for i in range(2):  # dQ and dK (dV does not read Delta)
+            errors["float32 output"][i] += max_err(ours[i], ref[i])
+            errors["16-bit output"][i] += max_err(rounded[i], ref[i])
+    for i, name in enumerate("qk"):
+        assert errors["float32 output"][i] <= 0.7 * errors["16-bit output"][i], (name, errors)
+
+
 @pytest.mark.parametrize("backward", ["kernel_backward", "backward_cpu"])
 def test_a_key_shard_backward_reads_the_rows_global_lse(backward):
     # Ring attention runs the backward once per key shard with the lse of the rows over every

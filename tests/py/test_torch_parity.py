@@ -656,7 +656,11 @@ def test_calls_that_need_gradients_take_the_fast_path_with_the_same_gradients(
 
     fast_out, fast_grads = run()
     assert fast_path_spy.served() == [True]
-    assert type(fast_out.grad_fn).__name__ == "_EagerAttentionBackward"
+    node = fast_out.grad_fn
+    if dtype != torch.float32:  # rounded from the float32 output kept for the backward
+        assert type(node).__name__ == "ToCopyBackward0"
+        node = node.next_functions[0][0]
+    assert type(node).__name__ == "_EagerAttentionBackward"
     fast_path_spy.general()
     general_out, general_grads = run()
     assert torch.equal(fast_out, general_out) and fast_out.stride() == general_out.stride()

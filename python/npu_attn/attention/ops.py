@@ -14,6 +14,8 @@ per-row log-sum-exp, and ``backward_cpu`` runs the C++ tiled backward kernel
 (query tile x key tile) at a time and accumulates dQ, dK, dV in float32 with the forward's masks,
 causal flag, scale and GQA grouping. Rows whose lse is too large for that (a whole row hidden
 by a torch.finfo(float32).min mask) get exact gradients from ``attention_backward`` instead.
+A 16-bit forward whose gradients will follow writes its output in float32 and keeps it for
+the backward's Delta = rowsum(dO * O) (``training_out_dtype``, ``forward_with_grad``).
 
 ``attention_backward`` is the same algorithm written with torch ops over query blocks. It is used
 where the kernel has no path: the gradient of a float ``attn_mask`` that requires grad (the
@@ -108,7 +110,7 @@ def needs_op(*tensors) -> bool:
     return any(t is not None and type(t) is not Tensor for t in tensors)
 
 
-def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
+def _empty_output(query: Tensor, head_dim_v: int, dtype: Optional[torch.dtype] = None) -> Tensor:
     """The (B, Hq, Lq, Dv) output, laid out like the query (as torch's CPU flash kernel does):
     (B, L, H, D) storage when the query's heads are inside its sequence (diffusers' projections
     viewed as heads, so ``out.transpose(1, 2).reshape(B, L, H * Dv)`` is free), else contiguous
@@ -122,7 +124,8 @@ def _empty_output(query: Tensor, head_dim_v: int) -> Tensor:
         strides = (lq * hq * dv, dv, hq * dv, 1)
     else:
         strides = (hq * lq * dv, lq * dv, dv, 1)
-    return torch.empty_strided((b, hq, lq, dv), strides, dtype=query.dtype, device=query.device)
+    dtype = query.dtype if dtype is None else dtype
+    return torch.empty_strided((b, hq, lq, dv), strides, dtype=dtype, device=query.device)
 
 
 def _readable(tensor: Tensor):
@@ -133,15 +136,24 @@ def _readable(tensor: Tensor):
 
 
 def forward_cpu(
-    query, key, value, attn_mask, is_causal, scale, enable_gqa, with_lse=True, counted_as="tiled"
+    query,
+    key,
+    value,
+    attn_mask,
+    is_causal,
+    scale,
+    enable_gqa,
+    with_lse=True,
+    counted_as="tiled",
+    out_dtype=None,
 ):
     """(out, lse) from the C++ kernel. float32, bfloat16 and float16 tensors are read and
     written in place by the kernel, which computes in float32 (lse is always float32).
     ``with_lse=False`` (callers that drop it) gives (out, None); ``counted_as`` names the call
-    in call_counts()."""
+    in call_counts(); ``out_dtype``: the output's dtype, the inputs' (None) or float32."""
     attn_mask = _kernel_mask(attn_mask)
     b, hq, lq, _ = query.shape
-    out = _empty_output(query, value.shape[-1])
+    out = _empty_output(query, value.shape[-1], out_dtype)
     lse = torch.empty((b, hq, lq), dtype=torch.float32) if with_lse else None
     # torch.utils.dlpack.to_dlpack is the direct C export (Tensor.__dlpack__ adds ~5 us of
     # Python per tensor); the kernel only reads the inputs.
@@ -173,17 +185,48 @@ def sdpa_forward(
     is_causal: bool,
     scale: Optional[float],
     enable_gqa: bool,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention output (B, Hq, Lq, Dv) and log-sum-exp (B, Hq, Lq) of 4-D CPU tensors."""
+    """Attention output (B, Hq, Lq, Dv) and log-sum-exp (B, Hq, Lq) of 4-D CPU tensors. The
+    output has the inputs' dtype, or ``out_dtype=torch.float32`` (for 16-bit inputs whose
+    gradients will follow: training_out_dtype)."""
     _check_op_inputs(query, key, value)
-    return forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    _check_out_dtype(query, out_dtype)
+    return forward_cpu(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                       out_dtype=out_dtype)  # fmt: skip
 
 
 @sdpa_forward.register_fake
-def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa, out_dtype=None):
     _check_op_inputs(query, key, value)
+    _check_out_dtype(query, out_dtype)
     b, hq, lq, _ = query.shape
-    return _empty_output(query, value.shape[-1]), query.new_empty((b, hq, lq), dtype=torch.float32)
+    out = _empty_output(query, value.shape[-1], out_dtype)
+    return out, query.new_empty((b, hq, lq), dtype=torch.float32)
+
+
+def _check_out_dtype(query: Tensor, out_dtype: Optional[torch.dtype]) -> None:
+    if out_dtype not in (None, query.dtype, torch.float32):
+        raise TypeError(f"out_dtype must be None, query's dtype or torch.float32, got {out_dtype}")
+
+
+def training_out_dtype(query: Tensor) -> Optional[torch.dtype]:
+    """The output dtype of a forward whose backward will follow: float32 for 16-bit inputs
+    (else None, the inputs' dtype). The backward's Delta = rowsum(dO * O) then reads the
+    unrounded output: from the 16-bit one its rounding dominates the scores' gradients where
+    softmaxes are sharp (FlashAttention-2's and torch's CPU flash backward's error, up to ~50x
+    torch's float32 math path). The caller rounds the output once to the inputs' dtype
+    (forward_with_grad); the kernel writes the float32 output as it would the 16-bit one."""
+    return torch.float32 if query.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def forward_with_grad(run, query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """(out, lse) of ``run`` (``sdpa_forward`` or ``_EagerAttention.apply``) for a call whose
+    gradients will follow: the forward keeps a float32 output for the backward where the
+    inputs are 16-bit (training_out_dtype), and the output returned is its rounding."""
+    out_dtype = training_out_dtype(query)
+    out, lse = run(query, key, value, attn_mask, is_causal, scale, enable_gqa, out_dtype)
+    return (out if out_dtype is None else out.to(query.dtype)), lse
 
 
 # --------------------------------------------------------------------------- int8 forward
@@ -549,7 +592,7 @@ def attention_backward(
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, is_causal, scale, enable_gqa = inputs
+    query, key, value, attn_mask, is_causal, scale, enable_gqa = inputs[:7]
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse)
     ctx.is_causal, ctx.scale, ctx.enable_gqa = is_causal, scale, enable_gqa
@@ -557,9 +600,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, grad_out, grad_lse, use_op: bool):
-    """The gradients of the 7 forward inputs (query, key, value, attn_mask, then None for the
-    flags), from the C++ backward kernel where it can (``use_op``: as the registered op
-    ``sdpa_backward``, for tracers; else called directly)."""
+    """The gradients of the 8 forward inputs (query, key, value, attn_mask, then None for the
+    flags and out_dtype), from the C++ backward kernel where it can (``use_op``: as the
+    registered op ``sdpa_backward``, for tracers; else called directly)."""
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -576,9 +619,9 @@ def _gradients(ctx, grad_out, grad_lse, use_op: bool):
             grads = torch.ops.npu_attn.sdpa_backward(*args, grad_lse, *flags)
         else:
             grads = backward_cpu(*args, *flags, grad_lse)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
     # The C++ kernel produces no d(mask) and no graph: the torch-ops routine does both.
-    return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None)
+    return (*attention_backward(*args, *flags, ctx.mask_grad, grad_lse), None, None, None, None)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -599,9 +642,9 @@ class _EagerAttention(torch.autograd.Function):
     to the op's."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, out_dtype):
         inputs = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
-        out, lse = forward_cpu(*inputs)
+        out, lse = forward_cpu(*inputs, out_dtype=out_dtype)
         _setup_context(ctx, inputs, (out, lse))
         return out, lse
 
@@ -614,4 +657,12 @@ class _EagerAttention(torch.autograd.Function):
 def eager_forward_with_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     """(out, lse) of ``sdpa_forward`` with its gradients, for eager autograd (not where
     :func:`needs_op`)."""
-    return _EagerAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return forward_with_grad(_EagerAttention.apply, *args)
+
+
+def op_forward_with_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """(out, lse) of the registered op ``sdpa_forward`` for a call whose gradients will follow
+    (where :func:`needs_op`): the same float32 output for the backward as the eager path."""
+    args = (query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return forward_with_grad(torch.ops.npu_attn.sdpa_forward, *args)

@@ -151,8 +151,8 @@ def _next_shapes(key: Tensor, value: Tensor, layout: Layout, step: int):
 
 
 def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's (out, float32 shift, float32 rel), lse = shift + rel (ops.split_lse): its
-    query shard against every key/value shard."""
+    """This rank's (float32 out, float32 shift, float32 rel), lse = shift + rel
+    (ops.split_lse): its query shard against every key/value shard."""
     acc = None
     k_cur, v_cur = key, value
     for step in range(layout.world):
@@ -169,8 +169,7 @@ def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tens
             acc = _merge(acc, out, *ops.split_lse(query, k_cur, block_mask, lse, *flags))
         if receive is not None:
             k_cur, v_cur = receive()
-    out, shift, rel = acc  # block `rank` is never skipped, so acc is set
-    return out.to(query.dtype), shift, rel
+    return acc  # block `rank` is never skipped, so acc is set
 
 
 def _ring_backward(ctx, grad_out: Tensor, grad_lse: Optional[Tensor]):
@@ -222,10 +221,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, layout):
         out, shift, rel = _ring_forward(query, key, value, mask, layout)
+        # the float32 merge for the backward's Delta = rowsum(dO * O) (ops.training_out_dtype)
         ctx.save_for_backward(query, key, value, mask, out, shift, rel)
         ctx.layout = layout
         ctx.set_materialize_grads(False)
-        return out, shift + rel
+        return out.to(query.dtype), shift + rel
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

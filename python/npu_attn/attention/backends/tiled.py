@@ -24,7 +24,7 @@ class TiledBackend(Backend):
         # and gradient rule through a plain autograd.Function, and calls without gradients the
         # kernel alone.
         if ops.needs_op(call.query, call.key, call.value, call.attn_mask):
-            run = ops.sdpa_forward
+            run = ops.op_forward_with_grad if call.needs_grad else ops.sdpa_forward
         elif call.needs_grad:
             run = ops.eager_forward_with_grad
         else:
