@@ -349,6 +349,35 @@ def test_16bit_gradients_read_the_unrounded_output(dtype, path):
         assert errors["float32 output"][i] <= 0.7 * errors["16-bit output"][i], (name, errors)
 
 
+def test_split_lse_keeps_the_key_counts_of_hidden_rows(monkeypatch):
+    # What ring attention merges: a row a finfo.min mask hides has lse -FLT_MAX + log n, which
+    # rounds to -FLT_MAX; split_lse gives it shift -FLT_MAX and rel log n (n: keys it sees,
+    # causal included), in row blocks of any size, and leaves other rows' lse as rel.
+    from npu_attn.attention import ops
+
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(2, 4, 6, 16, generator=gen)
+    k = torch.randn(2, 2, 6, 16, generator=gen)
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[0, :, 1] = lowest
+    mask[1, :, 4] = lowest
+    _, lse = npu_attn.scaled_dot_product_attention(
+        q, k, k, mask, is_causal=True, enable_gqa=True, return_lse=True
+    )
+    args = (q, k, mask, lse, True, None, True)
+    shift, rel = ops.split_lse(*args)
+    hidden = torch.zeros(2, 4, 6, dtype=torch.bool)
+    hidden[0, :, 1] = hidden[1, :, 4] = True
+    assert torch.equal(shift != 0, hidden)
+    assert (shift[hidden] == lowest).all()
+    counts = torch.tensor([2.0, 5.0]).repeat_interleave(4)  # keys j <= i of rows 1 and 4
+    torch.testing.assert_close(rel[hidden], counts.log())
+    assert torch.equal(rel[~hidden], lse[~hidden])
+    monkeypatch.setattr(ops, "_BLOCK_BYTES", 1)  # one row per block
+    assert all(torch.equal(a, b) for a, b in zip(ops.split_lse(*args), (shift, rel)))
+
+
 @pytest.mark.parametrize("backward", ["kernel_backward", "backward_cpu"])
 def test_a_key_shard_backward_reads_the_rows_global_lse(backward):
     # Ring attention runs the backward once per key shard with the lse of the rows over every

@@ -332,22 +332,26 @@ def split_lse(query, key, attn_mask, lse, is_causal, scale, enable_gqa) -> tuple
     has rounded away beside the row maximum (a row a torch.finfo(float32).min mask hides:
     lse = -FLT_MAX + log n = -FLT_MAX). Those get shift = their largest scaled score and
     rel = log(sum(exp(score - shift))), from scores recomputed with torch ops on the query
-    positions that hold one."""
+    positions that hold one, in blocks of rows (_BLOCK_BYTES of scores at a time)."""
     huge = _huge_rows(lse)
     shift = torch.zeros_like(lse)
     if not bool(huge.any()):
         return shift, lse
-    rows = _rows_with(huge)
-    group = query.shape[1] // key.shape[1]
-    k = key.float().repeat_interleave(group, dim=1) if enable_gqa and group > 1 else key.float()
-    mask = None if attn_mask is None else _mask_rows_at(attn_mask, rows)
-    scores = masked_scores(query[:, :, rows].float(), k, mask, is_causal, scale, rows)
-    top = scores.amax(-1)
-    row_rel = torch.exp(scores - top.unsqueeze(-1)).sum(-1).log()
-    keep = huge[..., rows]
-    shift[..., rows] = torch.where(keep, top, 0.0)
     rel = lse.clone()
-    rel[..., rows] = torch.where(keep, row_rel, lse[..., rows])
+    all_rows = _rows_with(huge)
+    b, hq = query.shape[:2]
+    group = hq // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1) if enable_gqa and group > 1 else key.float()
+    bytes_per_row = b * hq * max(key.shape[2], 1) * 4 * 3  # scores, their shift, exp
+    block = max(1, _BLOCK_BYTES // bytes_per_row)
+    for rows in all_rows.split(block):
+        mask = None if attn_mask is None else _mask_rows_at(attn_mask, rows)
+        scores = masked_scores(query[:, :, rows].float(), k, mask, is_causal, scale, rows)
+        top = scores.amax(-1)
+        row_rel = torch.exp(scores - top.unsqueeze(-1)).sum(-1).log()
+        keep = huge[..., rows]
+        shift[..., rows] = torch.where(keep, top, 0.0)
+        rel[..., rows] = torch.where(keep, row_rel, lse[..., rows])
     return shift, rel
 
 

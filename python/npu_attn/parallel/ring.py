@@ -165,7 +165,10 @@ def _ring_forward(query, key, value, mask, layout: Layout) -> tuple[Tensor, Tens
         if causal is not None:
             block_mask = key_columns(mask, layout, block)
             flags = (causal, layout.scale, layout.enable_gqa)
-            out, lse = ops.forward_cpu(query, k_cur, v_cur, block_mask, *flags)
+            # 16-bit blocks in float32: the merge is float32, and so is the output the
+            # backward reads (ops.training_out_dtype)
+            out32 = ops.training_out_dtype(query)
+            out, lse = ops.forward_cpu(query, k_cur, v_cur, block_mask, *flags, out_dtype=out32)
             acc = _merge(acc, out, *ops.split_lse(query, k_cur, block_mask, lse, *flags))
         if receive is not None:
             k_cur, v_cur = receive()
